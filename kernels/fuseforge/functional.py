@@ -1,0 +1,28 @@
+"""The public differentiable ops: fused Triton forward and backward for each.
+
+All take and return torch tensors on a CUDA device (or on the CPU under
+TRITON_INTERPRET=1) and support autograd.
+"""
+
+from fuseforge.ops.cross_entropy import cross_entropy
+from fuseforge.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from fuseforge.ops.glu import geglu, swiglu
+from fuseforge.ops.jsd import fused_linear_jsd, jsd
+from fuseforge.ops.kl_div import kl_div
+from fuseforge.ops.layer_norm import layer_norm
+from fuseforge.ops.rms_norm import fused_add_rms_norm, rms_norm
+from fuseforge.ops.rope import rope
+
+__all__ = [
+    "cross_entropy",
+    "fused_add_rms_norm",
+    "fused_linear_cross_entropy",
+    "fused_linear_jsd",
+    "geglu",
+    "jsd",
+    "kl_div",
+    "layer_norm",
+    "rms_norm",
+    "rope",
+    "swiglu",
+]

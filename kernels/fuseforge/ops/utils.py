@@ -1,0 +1,134 @@
+"""Shared launch heuristics and input validation for every op.
+
+Validation lives here so that each op rejects bad input with the same kind of
+message (naming the argument) before anything reaches a Triton kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Iterable
+
+import torch
+import triton
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+TRAINING_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Largest row a single program keeps in registers/SRAM; wider rows are looped over.
+MAX_FUSED_SIZE = 65536
+
+
+def is_interpreter() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def row_launch_config(n_cols: int, max_block: int = MAX_FUSED_SIZE) -> tuple[int, int]:
+    """Block size and warp count for a kernel that reduces one row per program."""
+    block = triton.next_power_of_2(max(int(n_cols), 1))
+    block = min(block, max_block)
+    if block >= 32768:
+        warps = 32
+    elif block >= 8192:
+        warps = 16
+    elif block >= 2048:
+        warps = 8
+    else:
+        warps = 4
+    return block, warps
+
+
+def num_programs_hint(device: torch.device) -> int:
+    """Number of streaming multiprocessors (or a small constant on the CPU interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def check_tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int | Iterable[int] | None = None,
+    min_ndim: int | None = None,
+    dtypes: Iterable[torch.dtype] | None = FLOAT_DTYPES,
+) -> torch.Tensor:
+    """Raise TypeError/ValueError naming `name` unless `t` is a tensor of the expected rank/dtype."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None:
+        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
+        if t.dim() not in allowed:
+            raise ValueError(f"{name} must have {' or '.join(map(str, allowed))} dimensions, got shape {tuple(t.shape)}")
+    if min_ndim is not None and t.dim() < min_ndim:
+        raise ValueError(f"{name} must have at least {min_ndim} dimensions, got shape {tuple(t.shape)}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    """Raise ValueError naming the tensors if they live on different devices."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    if not items:
+        return
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}; move them to one device")
+
+
+def check_same_dtype(**tensors: torch.Tensor | None) -> None:
+    """Raise TypeError naming the tensors if their dtypes differ."""
+    items = [(n, t) for n, t in tensors.items() if t is not None]
+    if not items:
+        return
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.dtype != first.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but {first_name} has dtype {first.dtype}")
+
+
+def check_positive(name: str, value: float) -> float:
+    """Raise ValueError unless `value` is a finite number > 0."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}") from None
+    if not v > 0 or v != v or v == float("inf"):
+        raise ValueError(f"{name} must be a finite number > 0, got {value}")
+    return v
+
+
+def check_reduction(reduction: str, allowed: Iterable[str] = ("mean", "sum", "none")) -> str:
+    allowed = tuple(allowed)
+    if reduction not in allowed:
+        raise ValueError(f"reduction must be one of {allowed}, got {reduction!r}")
+    return reduction
+
+
+def check_device_supported(name: str, t: torch.Tensor) -> None:
+    """Triton kernels need a CUDA tensor, or any CPU tensor under TRITON_INTERPRET=1."""
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu" and is_interpreter():
+        return
+    hint = " (set TRITON_INTERPRET=1 to run on the CPU through Triton's interpreter)" if t.device.type == "cpu" else ""
+    raise ValueError(f"{name} is on {t.device}; fuseforge kernels run on CUDA devices{hint}")
+
+
+def ensure_contiguous(fn):
+    """Make every tensor argument contiguous before an autograd.Function's forward/backward."""
+
+    @functools.wraps(fn)
+    def wrapper(ctx, *args, **kwargs):
+        args = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]
+        kwargs = {k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+        return fn(ctx, *args, **kwargs)
+
+    return wrapper

@@ -1,0 +1,38 @@
+"""Test setup: run kernels through Triton's CPU interpreter when no GPU is present.
+
+TRITON_INTERPRET must be set before any @triton.jit decorator runs, so it is
+decided here, at conftest import time, before fuseforge is imported.
+"""
+
+import os
+import random
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture
+def device() -> str:
+    return DEVICE
+
+
+@pytest.fixture(autouse=True)
+def _seed(request):
+    """Fresh random inputs per test, reproducible from the logged seed (FUSEFORGE_SEED pins it)."""
+    seed = int(os.environ.get("FUSEFORGE_SEED", random.randrange(2**31)))
+    torch.manual_seed(seed)
+    random.seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    print(f"[seed={seed}] rerun with FUSEFORGE_SEED={seed}")
+    yield seed
+
+
+def pytest_report_header(config):
+    interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return f"fuseforge tests on {DEVICE} (Triton interpreter: {interp})"

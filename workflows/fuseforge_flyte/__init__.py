@@ -1,0 +1,1 @@
+"""fuseforge on Flyte: config, image, training engine, tasks and workflows."""
