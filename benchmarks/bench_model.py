@@ -1,0 +1,155 @@
+"""End-to-end training-step benchmark of a Llama-style model: HF eager vs Liger-Kernel vs fuseforge vs torch.compile.
+
+    python benchmarks/bench_model.py                              # the 1B-class default shape
+    python benchmarks/bench_model.py --preset llama3-8b --batch 8 --seq 4096 --grad-ckpt
+    python benchmarks/bench_model.py --variants eager fuseforge --json out.json
+
+Each variant runs in its own subprocess (same script, `--worker`) so that its
+peak memory is measured from a clean allocator; the parent prints one table.
+Model weights are random (built from a config: no downloads). A step is
+forward + backward + fused AdamW on bf16 parameters with SDPA attention;
+tokens/s is batch*seq / median step time after warm-up steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+PRESETS = {
+    # hidden, layers, heads, kv heads, intermediate, vocab
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192, vocab_size=128256),
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
+    "qwen2-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960, vocab_size=151936),
+}
+VARIANTS = ("eager", "liger", "fuseforge", "compile")
+
+
+def build_model(preset: str, family: str):
+    import torch
+    import transformers
+
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
+    config = cfg_cls(**PRESETS[preset], max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
+    return model
+
+
+def apply_variant(model, variant: str):
+    import torch
+
+    if variant == "liger":
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        _apply_liger_kernel_to_instance(model=model)
+    elif variant == "fuseforge":
+        from fuseforge.transformers import apply_kernels
+
+        apply_kernels(model)
+    elif variant == "compile":
+        model = torch.compile(model)
+    return model
+
+
+def worker(args) -> dict:
+    import torch
+
+    model = build_model(args.preset, args.family)
+    if args.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    model = apply_variant(model, args.variant)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    vocab = PRESETS[args.preset]["vocab_size"]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    batches = [torch.randint(0, vocab, (args.batch, args.seq), device="cuda", generator=g) for _ in range(4)]
+
+    times, losses = [], []
+    torch.cuda.reset_peak_memory_stats()
+    for step in range(args.warmup + args.steps):
+        ids = batches[step % len(batches)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(out.loss))
+        del out
+    times.sort()
+    median = times[len(times) // 2]
+    return {
+        "variant": args.variant,
+        "step_ms": median * 1e3,
+        "tokens_per_s": args.batch * args.seq / median,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+    }
+
+
+def run_variant(args, variant: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", variant, "--preset", args.preset,
+           "--family", args.family, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
+           "--warmup", str(args.warmup)] + (["--grad-ckpt"] if args.grad_ckpt else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    oom = any("OutOfMemory" in l or "out of memory" in l for l in (proc.stderr or "").splitlines())
+    return {"variant": variant, "error": "OOM" if oom else " / ".join(tail)[-300:]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="llama-1b", choices=sorted(PRESETS))
+    p.add_argument("--family", default="llama", choices=["llama", "qwen2"])
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--grad-ckpt", action="store_true")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--json")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--variant", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)), flush=True)
+        return 0
+
+    results = [run_variant(args, v) for v in args.variants]
+    base = next((r for r in results if r["variant"] == "eager" and "error" not in r), None)
+    liger = next((r for r in results if r["variant"] == "liger" and "error" not in r), None)
+    print(f"\n{args.preset} batch {args.batch} x seq {args.seq}, bf16, AdamW(fused), SDPA, grad ckpt {args.grad_ckpt}")
+    print("| variant | step ms | tokens/s | x eager | x liger | peak GiB | loss first -> last |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['variant']} | {r['error']} | | | | | |")
+            continue
+        xe = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
+        xl = f"{r['tokens_per_s'] / liger['tokens_per_s']:.2f}" if liger else "-"
+        print(f"| {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {xe} | {xl} | {r['peak_gib']:.2f} | "
+              f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
