@@ -1,6 +1,465 @@
-"""PLACEHOLDER: being written; replace this whole file."""
+"""Cross-entropy on logits: online softmax over the vocabulary, split across programs.
 
-def cross_entropy(*args, **kwargs):
-    raise NotImplementedError('cross_entropy is not written yet')
+Why the shape of these kernels: a row of logits is too long (128k-256k classes) for one
+program to hold, and a chunk of a few hundred rows is too few rows to fill a GPU with one
+program per row. So the vocabulary of every row is split between programs: each program
+keeps a running max / sum-of-exp over its slice (fp32, one read of the logits), a tiny
+finalize kernel merges the slices into the log-sum-exp and the per-token loss, and a
+gradient kernel sweeps the logits once more and writes dloss/dlogits, possibly into the
+logits' own buffer. The kernels take explicit strides, so they also run on a transposed
+view ([tokens, vocab] stored vocab-major), which fused_linear_cross_entropy relies on.
+
+Semantics match torch.nn.functional.cross_entropy with class indices (label smoothing
+included: loss = (1 - ls) * nll + ls * mean over classes of -log p), plus two extras used
+by LLM recipes: a PaLM z-loss (z_loss_scale * lse**2 per token) and Gemma-2 final-logit
+softcapping (logits -> softcap * tanh(logits / softcap) before the softmax).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from fuseforge.ops.utils import (
+    TRAINING_DTYPES,
+    check_device_supported,
+    check_positive,
+    check_reduction,
+    check_same_device,
+    check_tensor,
+    is_interpreter,
+    num_programs_hint,
+)
+
+# Per (vocab split, token) the stats kernel leaves: running max, sum of exp(z - max),
+# sum of z (label smoothing) and the target's logit (0 unless the split holds it).
+_N_STATS = 4
 
 
+@dataclass(frozen=True)
+class LossOptions:
+    """The per-token loss definition shared by cross_entropy and fused_linear_cross_entropy."""
+
+    ignore_index: int = -100
+    label_smoothing: float = 0.0
+    z_loss_scale: float = 0.0
+    softcap: float | None = None
+
+
+def check_loss_options(ignore_index, reduction, label_smoothing, z_loss_scale, softcap) -> LossOptions:
+    """Validate the loss options once, with errors that name the argument."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_reduction(reduction)
+    try:
+        label_smoothing = float(label_smoothing)
+        z_loss_scale = float(z_loss_scale)
+    except (TypeError, ValueError):
+        raise TypeError("label_smoothing and z_loss_scale must be numbers") from None
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not (z_loss_scale >= 0.0 and math.isfinite(z_loss_scale)):
+        raise ValueError(f"z_loss_scale must be a finite number >= 0, got {z_loss_scale}")
+    if softcap is not None:
+        softcap = check_positive("softcap", softcap)
+    return LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
+
+
+def check_target(target: object, expected_shape: torch.Size, what: str) -> torch.Tensor:
+    """Class-index targets only: integer dtype, shape equal to the logits' leading dims."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if target.is_floating_point() or target.is_complex():
+        raise TypeError(
+            f"target must hold integer class indices (int64), got dtype {target.dtype}; "
+            "probability (soft) targets are not supported"
+        )
+    if target.dtype == torch.bool:
+        raise TypeError("target must hold integer class indices (int64), got dtype torch.bool")
+    if target.shape != expected_shape:
+        raise ValueError(f"target must have shape {tuple(expected_shape)} ({what}), got {tuple(target.shape)}")
+    return target
+
+
+def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """Reject class indices outside [0, n_classes) that are not ignore_index.
+
+    One reduction and a single host sync per call (not per row). Skipped while a CUDA graph
+    is being captured, where a sync is illegal: the kernels never read out of bounds on a
+    bad index anyway (the target's logit is found by comparison), the loss is just wrong.
+    """
+    if target.numel() == 0:
+        return
+    if target.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    bad = ((target < 0) | (target >= n_classes)) & (target != ignore_index)
+    if bool(bad.any()):
+        first = int(target[bad].reshape(-1)[0])
+        raise ValueError(
+            f"target holds class index {first}, outside [0, {n_classes}) and not ignore_index={ignore_index}"
+        )
+
+
+# --------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _capped_logits(x, softcap, HAS_SOFTCAP: tl.constexpr):
+    """softcap * tanh(x / softcap), with tanh from exp (libdevice is not portable)."""
+    z = x
+    if HAS_SOFTCAP:
+        y = x / softcap
+        e = tl.exp(-2.0 * tl.abs(y))
+        t = (1.0 - e) / (1.0 + e)
+        z = softcap * tl.where(y < 0.0, -t, t)
+    return z
+
+
+@triton.jit
+def _softcap_slope(x, softcap):
+    """d/dx softcap * tanh(x / softcap) = 1 - tanh^2, as 4e / (1 + e)^2 to avoid cancellation."""
+    e = tl.exp(-2.0 * tl.abs(x / softcap))
+    return 4.0 * e / ((1.0 + e) * (1.0 + e))
+
+
+@triton.jit
+def _ce_stats_kernel(
+    x_ptr, stride_xt, stride_xv, target_ptr, stats_ptr,
+    n_tokens, n_vocab, vocab_per_split, softcap,
+    HAS_SOFTCAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Online max / sum-of-exp over one vocabulary slice for BLOCK_T tokens (one read)."""
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n_splits = tl.num_programs(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < n_tokens
+    target = tl.load(target_ptr + offs_t, mask=mask_t, other=-1)
+    row = x_ptr + offs_t.to(tl.int64) * stride_xt
+    v_begin = pid_s * vocab_per_split
+    v_end = tl.minimum(v_begin + vocab_per_split, n_vocab)
+
+    run_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    run_sum = tl.zeros([BLOCK_T], tl.float32)
+    logit_sum = tl.zeros([BLOCK_T], tl.float32)
+    target_logit = tl.zeros([BLOCK_T], tl.float32)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        mask = mask_t[:, None] & (offs_v < v_end)[None, :]
+        x = tl.load(row[:, None] + offs_v.to(tl.int64)[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
+        z = _capped_logits(x, softcap, HAS_SOFTCAP)
+        z = tl.where(mask, z, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(z, axis=1))
+        # A row with nothing seen yet keeps max = -inf; shift by 0 there so exp() gives 0, not NaN.
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
+        run_max = new_max
+        logit_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
+        is_target = mask & (offs_v[None, :] == target[:, None])
+        target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
+
+    field = n_splits * n_tokens
+    out = stats_ptr + pid_s * n_tokens + offs_t
+    tl.store(out, run_max, mask=mask_t)
+    tl.store(out + field, run_sum, mask=mask_t)
+    tl.store(out + 2 * field, logit_sum, mask=mask_t)
+    tl.store(out + 3 * field, target_logit, mask=mask_t)
+
+
+@triton.jit
+def _ce_finalize_kernel(
+    stats_ptr, target_ptr, loss_ptr, lse_ptr,
+    n_tokens, n_splits, n_vocab, ignore_index, label_smoothing, z_loss_scale,
+    HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Merge the per-slice stats into log-sum-exp and the per-token loss (0 at ignored tokens)."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < n_tokens
+    offs_s = tl.arange(0, BLOCK_S)
+    mask = (offs_s < n_splits)[:, None] & mask_t[None, :]
+    field = n_splits * n_tokens
+    base = stats_ptr + offs_s[:, None] * n_tokens + offs_t[None, :]
+    part_max = tl.load(base, mask=mask, other=float("-inf"))
+    part_sum = tl.load(base + field, mask=mask, other=0.0)
+    top = tl.max(part_max, axis=0)
+    shift = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(part_sum * tl.exp(part_max - shift[None, :]), axis=0)
+    lse = shift + tl.log(tl.where(mask_t, total, 1.0))
+    target_logit = tl.sum(tl.load(base + 3 * field, mask=mask, other=0.0), axis=0)
+
+    loss = lse - target_logit
+    if HAS_SMOOTHING:
+        logit_sum = tl.sum(tl.load(base + 2 * field, mask=mask, other=0.0), axis=0)
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - logit_sum / n_vocab)
+    if HAS_Z_LOSS:
+        loss += z_loss_scale * lse * lse
+    target = tl.load(target_ptr + offs_t, mask=mask_t, other=ignore_index)
+    loss = tl.where(target != ignore_index, loss, 0.0)
+    tl.store(loss_ptr + offs_t, loss, mask=mask_t)
+    tl.store(lse_ptr + offs_t, lse, mask=mask_t)
+
+
+@triton.jit
+def _ce_grad_kernel(
+    x_ptr, stride_xt, stride_xv, g_ptr, stride_gt, stride_gv, target_ptr, lse_ptr, scale_ptr,
+    n_tokens, n_vocab, vocab_per_split, ignore_index, label_smoothing, z_loss_scale, softcap,
+    HAS_SOFTCAP: tl.constexpr, SCALE_PER_ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """g = scale * dloss/dlogits for one vocabulary slice; g may alias x (read, then write)."""
+    pid_t = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < n_tokens
+    target = tl.load(target_ptr + offs_t, mask=mask_t, other=ignore_index)
+    valid = mask_t & (target != ignore_index)
+    if SCALE_PER_ROW:
+        scale = tl.load(scale_ptr + offs_t, mask=mask_t, other=0.0).to(tl.float32)
+    else:
+        scale = tl.load(scale_ptr).to(tl.float32) + tl.zeros([BLOCK_T], tl.float32)
+    scale = tl.where(valid, scale, 0.0)
+    lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
+    # d/dz [lse + z_loss_scale * lse^2] = (1 + 2 * z_loss_scale * lse) * softmax
+    softmax_coef = scale * (1.0 + 2.0 * z_loss_scale * lse)
+    smooth = scale * (label_smoothing / n_vocab)
+    hit = scale * (1.0 - label_smoothing)
+    # Ignored rows get lse = +inf so exp(z - lse) = 0 without ever producing inf * 0.
+    lse = tl.where(valid, lse, float("inf"))
+
+    x_row = x_ptr + offs_t.to(tl.int64) * stride_xt
+    g_row = g_ptr + offs_t.to(tl.int64) * stride_gt
+    v_begin = pid_s * vocab_per_split
+    v_end = tl.minimum(v_begin + vocab_per_split, n_vocab)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        offs_v64 = offs_v.to(tl.int64)
+        mask = mask_t[:, None] & (offs_v < v_end)[None, :]
+        x = tl.load(x_row[:, None] + offs_v64[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
+        z = _capped_logits(x, softcap, HAS_SOFTCAP)
+        g = softmax_coef[:, None] * tl.exp(z - lse[:, None]) - smooth[:, None]
+        g -= tl.where(offs_v[None, :] == target[:, None], hit[:, None], 0.0)
+        if HAS_SOFTCAP:
+            g *= _softcap_slope(x, softcap)
+        g = tl.where(valid[:, None], g, 0.0)
+        tl.store(g_row[:, None] + offs_v64[None, :] * stride_gv, g.to(g_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------
+# Launchers (shared with fused_linear_cross_entropy)
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Tiling:
+    block_t: int
+    block_v: int
+    num_warps: int
+    n_splits: int
+    vocab_per_split: int
+
+
+def _tiling(logits: torch.Tensor, n_splits: int | None = None) -> _Tiling:
+    """Tile shape by memory layout; split the vocabulary until the grid fills the device."""
+    n_tokens, n_vocab = logits.shape
+    if is_interpreter():
+        # Few, large programs: the interpreter pays ~ms per program instance.
+        block_t, block_v, warps = min(triton.next_power_of_2(max(n_tokens, 1)), 16), 1024, 4
+    elif logits.stride(0) == 1 and n_tokens > 1:
+        # Vocab-major storage (the transposed chunk of the fused linear path): tokens are
+        # contiguous, so a tile spans 64 tokens (128 B of bf16) per vocabulary entry.
+        block_t, block_v, warps = 64, 64, 8
+    else:
+        block_t, block_v, warps = 1, 4096, 8
+    block_v = min(block_v, triton.next_power_of_2(max(n_vocab, 1)))
+    max_splits = triton.cdiv(n_vocab, block_v)
+    if n_splits is None:
+        token_blocks = triton.cdiv(n_tokens, block_t)
+        wanted = num_programs_hint(logits.device) * (1 if is_interpreter() else 4)
+        n_splits = min(64, triton.cdiv(wanted, token_blocks))
+    n_splits = max(1, min(int(n_splits), max_splits))
+    vocab_per_split = triton.cdiv(triton.cdiv(n_vocab, n_splits), block_v) * block_v
+    n_splits = triton.cdiv(n_vocab, vocab_per_split)
+    return _Tiling(block_t, block_v, warps, n_splits, vocab_per_split)
+
+
+def ce_forward_stats(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    opts: LossOptions,
+    loss_out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    n_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss and log-sum-exp (fp32) of a [tokens, vocab] view with any strides."""
+    n_tokens, n_vocab = logits.shape
+    loss = loss_out if loss_out is not None else torch.empty(n_tokens, dtype=torch.float32, device=logits.device)
+    lse = lse_out if lse_out is not None else torch.empty(n_tokens, dtype=torch.float32, device=logits.device)
+    if n_tokens == 0:
+        return loss, lse
+    tiling = _tiling(logits, n_splits)
+    stats = torch.empty(_N_STATS, tiling.n_splits, n_tokens, dtype=torch.float32, device=logits.device)
+    softcap = opts.softcap if opts.softcap is not None else 1.0
+    grid = (triton.cdiv(n_tokens, tiling.block_t), tiling.n_splits)
+    _ce_stats_kernel[grid](
+        logits, logits.stride(0), logits.stride(1), target, stats,
+        n_tokens, n_vocab, tiling.vocab_per_split, softcap,
+        HAS_SOFTCAP=opts.softcap is not None, BLOCK_T=tiling.block_t, BLOCK_V=tiling.block_v,
+        num_warps=tiling.num_warps,
+    )
+    block_t = 16 if is_interpreter() else 128
+    _ce_finalize_kernel[(triton.cdiv(n_tokens, block_t),)](
+        stats, target, loss, lse,
+        n_tokens, tiling.n_splits, n_vocab, opts.ignore_index, opts.label_smoothing, opts.z_loss_scale,
+        HAS_SMOOTHING=opts.label_smoothing > 0.0, HAS_Z_LOSS=opts.z_loss_scale > 0.0,
+        BLOCK_T=block_t, BLOCK_S=triton.next_power_of_2(tiling.n_splits), num_warps=4,
+    )
+    return loss, lse
+
+
+def ce_write_grad(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    scale: torch.Tensor,
+    opts: LossOptions,
+    out: torch.Tensor,
+    n_splits: int | None = None,
+) -> torch.Tensor:
+    """out = scale * dloss/dlogits; `scale` is fp32 with 1 element or one per token; out may be logits."""
+    n_tokens, n_vocab = logits.shape
+    if n_tokens == 0:
+        return out
+    tiling = _tiling(logits, n_splits)
+    grid = (triton.cdiv(n_tokens, tiling.block_t), tiling.n_splits)
+    _ce_grad_kernel[grid](
+        logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1), target, lse, scale,
+        n_tokens, n_vocab, tiling.vocab_per_split, opts.ignore_index, opts.label_smoothing, opts.z_loss_scale,
+        opts.softcap if opts.softcap is not None else 1.0,
+        HAS_SOFTCAP=opts.softcap is not None, SCALE_PER_ROW=scale.numel() != 1, BLOCK_T=tiling.block_t, BLOCK_V=tiling.block_v, num_warps=tiling.num_warps,
+    )
+    return out
+
+
+def mark_overwritten(t: torch.Tensor) -> None:
+    """Bump the version counter of a tensor a kernel wrote in place, so that any autograd node
+    that saved it raises "modified by an inplace operation" instead of using garbage."""
+    increment = getattr(torch.autograd.graph, "increment_version", None)
+    if increment is not None:
+        increment(t)
+
+
+def mean_denominator_inverse(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """1 / (number of non-ignored tokens) on the device, without a host sync; 1 if all are ignored."""
+    n_valid = (target != ignore_index).sum()
+    return 1.0 / n_valid.clamp(min=1).to(torch.float32)
+
+
+# --------------------------------------------------------------------------------------
+# Autograd and public API
+# --------------------------------------------------------------------------------------
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    """Forward: one read of the logits for loss and lse. Backward: one read + one write for the gradient.
+
+    The gradient is produced in backward, from the saved logits and lse, already multiplied
+    by grad_output (per token for reduction="none"), so forward never holds a second
+    [N, V] buffer and no host sync is needed to apply grad_output.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, opts: LossOptions, reduction: str, inplace_grad: bool):
+        loss_tok, lse = ce_forward_stats(logits, target, opts)
+        inv_count = None
+        if reduction == "none":
+            loss = loss_tok
+        elif reduction == "sum":
+            loss = loss_tok.sum()
+        else:
+            inv_count = mean_denominator_inverse(target, opts.ignore_index)
+            loss = loss_tok.sum() * inv_count
+        ctx.save_for_backward(logits, target, lse, inv_count)
+        ctx.opts, ctx.reduction, ctx.inplace_grad = opts, reduction, inplace_grad
+        ctx.mark_non_differentiable(lse)
+        return loss.to(logits.dtype), lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_loss, _grad_lse):
+        logits, target, lse, inv_count = ctx.saved_tensors
+        if ctx.reduction == "none":
+            scale = grad_loss.to(torch.float32).contiguous()
+        else:
+            scale = grad_loss.to(torch.float32).reshape(1)
+            if inv_count is not None:
+                scale = scale * inv_count
+        inplace = ctx.inplace_grad
+        grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        ce_write_grad(logits, target, lse, scale, ctx.opts, out=grad)
+        if inplace:
+            mark_overwritten(logits)
+        return grad, None, None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss_scale: float = 0.0,
+    softcap: float | None = None,
+    *,
+    inplace_grad: bool = False,
+    return_lse: bool = False,
+):
+    """Cross-entropy of `logits` [..., V] against class indices `target` [...] (int64).
+
+    Same result as torch.nn.functional.cross_entropy(logits.reshape(-1, V), target.reshape(-1),
+    ignore_index=..., reduction=..., label_smoothing=...), except that the class dimension is
+    the LAST one for inputs of rank > 2 (the LLM layout [batch, seq, vocab]), and that a mean
+    over zero non-ignored tokens is 0 (torch gives NaN). The loss has the logits' dtype
+    (math is fp32); reduction="none" returns one loss per token, 0 at ignored tokens.
+
+    z_loss_scale adds z_loss_scale * lse**2 per non-ignored token (PaLM z-loss); softcap
+    replaces the logits by softcap * tanh(logits / softcap) first (Gemma 2). Both are
+    differentiated through.
+
+    inplace_grad=True writes the gradient into the logits' own buffer during backward (saves
+    one [N, V] allocation). Opt in only when nothing reads the logits after backward; any
+    autograd node that saved them then raises instead of silently using the gradient.
+    Ignored for leaf tensors (their .grad must not alias their data).
+
+    return_lse=True also returns the fp32 log-sum-exp per token (shape of target, not
+    differentiable; defined at ignored tokens too).
+
+    Class indices outside [0, V) other than ignore_index raise ValueError (one host sync
+    per call; skipped during CUDA graph capture).
+    """
+    opts = check_loss_options(ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
+    check_tensor("logits", logits, min_ndim=1, dtypes=TRAINING_DTYPES)
+    n_classes = logits.shape[-1]
+    if n_classes == 0:
+        raise ValueError(f"logits must have at least one class in its last dimension, got shape {tuple(logits.shape)}")
+    check_target(target, logits.shape[:-1], "logits.shape[:-1]")
+    check_same_device(logits=logits, target=target)
+    check_device_supported("logits", logits)
+    check_target_range(target, n_classes, opts.ignore_index)
+
+    # A leaf's .grad must not alias its data: logits that are (a view of) a leaf get a fresh buffer.
+    base = logits if logits._base is None else logits._base
+    inplace_grad = bool(inplace_grad) and not base.is_leaf
+    flat_logits = logits.reshape(-1, n_classes)
+    flat_target = target.reshape(-1).to(torch.int64).contiguous()
+    loss, lse = _CrossEntropyFunction.apply(flat_logits, flat_target, opts, reduction, inplace_grad)
+    if reduction == "none":
+        loss = loss.view(target.shape)
+    if return_lse:
+        return loss, lse.view(target.shape)
+    return loss

@@ -1,10 +1,229 @@
-"""PLACEHOLDER: being written; replace this whole file."""
+"""Gated-linear-unit activations: swiglu = silu(gate) * up, geglu = gelu(gate) * up.
 
-def swiglu(*args, **kwargs):
-    raise NotImplementedError('swiglu is not written yet')
+One elementwise kernel per direction, computing in fp32 (fp64 for fp64 inputs).
+Forward keeps only gate and up; backward recomputes the activation from them,
+so no activation is ever stored.
+
+Memory: backward writes d_gate/d_up into the saved gate/up buffers when that is
+safe, so it allocates nothing. Safe means each buffer is a non-leaf activation
+(e.g. a fresh linear output in an MLP, which nothing but this op reads later)
+or a private copy this op made, and gate and up do not share storage. Their
+autograd version counters are bumped afterwards, so another op that saved the
+same tensor fails loudly ("modified by an inplace operation") rather than
+reading gradients. Leaves (tensors the caller owns) always get fresh buffers.
+Pass `inplace_backward=False` to keep gate/up intact (e.g. to inspect them
+after backward, or to call backward twice with retain_graph=True).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fuseforge.ops.utils import (
+    FLOAT_DTYPES,
+    check_device_supported,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+    is_interpreter,
+)
+
+SILU, GELU_TANH, GELU_ERF = 0, 1, 2
+GELU_APPROXIMATIONS = {"tanh": GELU_TANH, "none": GELU_ERF}
+
+_GPU_TILE = 2048
+_INTERPRETER_TILE = 65536
+
+# Globals read inside @triton.jit must be constexpr.
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_GELU_CUBIC = tl.constexpr(0.044715)
+_INV_SQRT_2 = tl.constexpr(0.7071067811865476)
+_INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
 
 
-def geglu(*args, **kwargs):
-    raise NotImplementedError('geglu is not written yet')
+@triton.jit
+def _activation(g, ACTIVATION: tl.constexpr):
+    """(act(g), act'(g)); sigmoid-based forms never divide inf by inf for large |g|."""
+    if ACTIVATION == 0:  # silu
+        s = tl.sigmoid(g)
+        act = g * s
+        dact = s * (1.0 + g * (1.0 - s))
+    elif ACTIVATION == 1:  # gelu, tanh approximation: 0.5 g (1 + tanh(z)) = g * sigmoid(2 z)
+        z = _SQRT_2_OVER_PI * (g + _GELU_CUBIC * g * g * g)
+        s = tl.sigmoid(2.0 * z)
+        act = g * s
+        dz = _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * g * g)
+        dact = s + 2.0 * g * dz * s * (1.0 - s)
+    else:  # exact gelu: g * Phi(g)
+        cdf = 0.5 * (1.0 + tl.erf(g * _INV_SQRT_2))
+        act = g * cdf
+        dact = cdf + g * _INV_SQRT_2PI * tl.exp(-0.5 * g * g)
+    return act, dact
 
 
+@triton.jit
+def _upcast(x, FP64: tl.constexpr):
+    if FP64:
+        return x.to(tl.float64)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _tile(n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    return rows[:, None], cols[None, :], mask
+
+
+@triton.jit
+def _glu_forward_kernel(
+    gate_ptr, up_ptr, out_ptr,
+    stride_gate, stride_up, stride_out,
+    n_rows, n_cols,
+    ACTIVATION: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP64: tl.constexpr,
+):
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_R, BLOCK_C)
+    g = _upcast(tl.load(gate_ptr + rows * stride_gate + cols, mask=mask, other=0.0), FP64)
+    u = _upcast(tl.load(up_ptr + rows * stride_up + cols, mask=mask, other=0.0), FP64)
+    act, _ = _activation(g, ACTIVATION)
+    out = act * u
+    tl.store(out_ptr + rows * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _glu_backward_kernel(
+    grad_out_ptr, gate_ptr, up_ptr, grad_gate_ptr, grad_up_ptr,
+    stride_grad_out, stride_gate, stride_up, stride_grad_gate, stride_grad_up,
+    n_rows, n_cols,
+    ACTIVATION: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP64: tl.constexpr,
+):
+    rows, cols, mask = _tile(n_rows, n_cols, BLOCK_R, BLOCK_C)
+    dout = _upcast(tl.load(grad_out_ptr + rows * stride_grad_out + cols, mask=mask, other=0.0), FP64)
+    g = _upcast(tl.load(gate_ptr + rows * stride_gate + cols, mask=mask, other=0.0), FP64)
+    u = _upcast(tl.load(up_ptr + rows * stride_up + cols, mask=mask, other=0.0), FP64)
+    act, dact = _activation(g, ACTIVATION)
+    # Both loads above precede these stores, so the grads may overwrite gate/up element by element.
+    d_gate = dout * u * dact
+    d_up = dout * act
+    tl.store(grad_gate_ptr + rows * stride_grad_gate + cols, d_gate.to(grad_gate_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad_up_ptr + rows * stride_grad_up + cols, d_up.to(grad_up_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """View `t` as [rows, cols] with unit column stride (no copy if possible); say whether it copied.
+
+    Row-strided views (e.g. gate/up chunked out of one fused projection) are read in place.
+    """
+    rows, cols = math.prod(t.shape[:-1]), t.shape[-1]
+    if t.stride(-1) == 1:
+        try:
+            return t.view(rows, cols), False
+        except RuntimeError:
+            pass
+    return t.reshape(rows, cols).contiguous(), True
+
+
+def _launch_config(n_rows: int, n_cols: int) -> dict:
+    tile = _INTERPRETER_TILE if is_interpreter() else _GPU_TILE
+    block_c = min(triton.next_power_of_2(n_cols), tile)
+    block_r = min(max(1, tile // block_c), triton.next_power_of_2(n_rows))
+    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
+    num_warps = 4 if block_r * block_c <= 2048 else 8
+    return dict(grid=grid, meta=dict(BLOCK_R=block_r, BLOCK_C=block_c, num_warps=num_warps))
+
+
+class _GLUFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate, up, activation, inplace_backward, gate_reusable, up_reusable):
+        gate_rows, gate_copied = _as_rows(gate)
+        up_rows, up_copied = _as_rows(up)
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        n_rows, n_cols = gate_rows.shape
+        if out.numel():
+            cfg = _launch_config(n_rows, n_cols)
+            _glu_forward_kernel[cfg["grid"]](
+                gate_rows, up_rows, out,
+                gate_rows.stride(0), up_rows.stride(0), n_cols,
+                n_rows, n_cols,
+                ACTIVATION=activation, FP64=gate.dtype == torch.float64, **cfg["meta"],
+            )
+        ctx.save_for_backward(gate_rows, up_rows)
+        ctx.activation = activation
+        ctx.shape = gate.shape
+        # A private copy made here is never seen by anyone else, so it is always safe to reuse.
+        ctx.reuse_gate = gate_reusable or (inplace_backward and gate_copied)
+        ctx.reuse_up = up_reusable or (inplace_backward and up_copied)
+        ctx.buffers_consumed = False
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        if ctx.buffers_consumed:
+            raise RuntimeError(
+                "swiglu/geglu backward ran twice, but the first run wrote the gradients into gate/up's "
+                "buffers; pass inplace_backward=False to backward through it more than once"
+            )
+        gate_rows, up_rows = ctx.saved_tensors
+        grad_rows, _ = _as_rows(grad_out)
+        n_rows, n_cols = gate_rows.shape
+        grad_gate = gate_rows if ctx.reuse_gate else torch.empty_like(gate_rows, memory_format=torch.contiguous_format)
+        grad_up = up_rows if ctx.reuse_up else torch.empty_like(up_rows, memory_format=torch.contiguous_format)
+        if grad_out.numel():
+            cfg = _launch_config(n_rows, n_cols)
+            _glu_backward_kernel[cfg["grid"]](
+                grad_rows, gate_rows, up_rows, grad_gate, grad_up,
+                grad_rows.stride(0), gate_rows.stride(0), up_rows.stride(0), grad_gate.stride(0), grad_up.stride(0),
+                n_rows, n_cols,
+                ACTIVATION=ctx.activation, FP64=gate_rows.dtype == torch.float64, **cfg["meta"],
+            )
+        for reused, buffer in ((ctx.reuse_gate, gate_rows), (ctx.reuse_up, up_rows)):
+            if reused:
+                torch.autograd.graph.increment_version(buffer)
+        ctx.buffers_consumed = ctx.reuse_gate or ctx.reuse_up
+        return grad_gate.view(ctx.shape), grad_up.view(ctx.shape), None, None, None, None
+
+
+def _glu(gate: torch.Tensor, up: torch.Tensor, activation: int, inplace_backward: bool) -> torch.Tensor:
+    check_tensor("gate", gate, min_ndim=1, dtypes=FLOAT_DTYPES)
+    check_tensor("up", up, min_ndim=1, dtypes=FLOAT_DTYPES)
+    if gate.shape != up.shape:
+        raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
+    check_same_dtype(gate=gate, up=up)
+    check_same_device(gate=gate, up=up)
+    check_device_supported("gate", gate)
+    # A buffer may take its own gradient only if nothing else will read it: an activation made by
+    # autograd (grad_fn set), not a caller-held leaf, and not sharing memory with the other input.
+    shares_storage = gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
+    inplace_backward = bool(inplace_backward)
+    reusable = inplace_backward and not shares_storage
+    return _GLUFunction.apply(
+        gate, up, activation, inplace_backward, reusable and gate.grad_fn is not None, reusable and up.grad_fn is not None
+    )
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = True) -> torch.Tensor:
+    """silu(gate) * up (LLaMA/Mistral/Qwen MLP), fused; output in the inputs' dtype.
+
+    gate and up: same shape [..., intermediate], dtype and device. See the module docstring for
+    when backward reuses gate/up's memory for their gradients (inplace_backward).
+    """
+    return _glu(gate, up, SILU, inplace_backward)
+
+
+def geglu(
+    gate: torch.Tensor, up: torch.Tensor, approximate: str = "tanh", *, inplace_backward: bool = True
+) -> torch.Tensor:
+    """gelu(gate, approximate) * up (Gemma MLP), fused; torch.nn.functional.gelu semantics.
+
+    approximate: "tanh" (gelu_pytorch_tanh, Gemma's default) or "none" (exact erf GELU).
+    """
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"approximate must be one of {tuple(GELU_APPROXIMATIONS)}, got {approximate!r}")
+    return _glu(gate, up, GELU_APPROXIMATIONS[approximate], inplace_backward)

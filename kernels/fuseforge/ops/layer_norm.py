@@ -1,6 +1,181 @@
-"""PLACEHOLDER: being written; replace this whole file."""
+"""LayerNorm over the last dimension: one-pass Triton forward and backward.
 
-def layer_norm(*args, **kwargs):
-    raise NotImplementedError('layer_norm is not written yet')
+Matches torch.nn.functional.layer_norm: statistics and the affine transform in fp32
+(fp64 when any operand is fp64), one rounding to x's dtype; the output has x's dtype.
+weight and bias are optional and independent, and may have a different float dtype
+than x (an fp32 weight with a bf16 x is allowed).
+
+The forward saves only the per-row mean and rstd; the backward recomputes the
+normalized rows, reads x and dy once, writes dx once, and reduces the weight and bias
+gradients deterministically (one partial row per program, summed by torch). Input rows
+may have any row stride; other layouts are copied to contiguous first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from fuseforge.ops.rowwise import as_rows, compute_dtype, plan_row_tiles, round_to
+from fuseforge.ops.utils import check_device_supported, check_positive, check_same_device, check_tensor, is_interpreter
 
 
+@triton.jit
+def _layer_norm_fwd_kernel(
+    X, Y, W, B, MEAN, RSTD,
+    n_rows, n_cols, stride_x, tiles_per_program, eps,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, COMPUTE: tl.constexpr,
+    EMULATE_RNE: tl.constexpr, ROW_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(COMPUTE)
+    if HAS_BIAS:
+        b = tl.load(B + cols, mask=col_mask, other=0.0).to(COMPUTE)
+    for t in range(tiles_per_program):
+        rows = (pid * tiles_per_program + t) * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
+        row_mask = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
+        mean = tl.sum(x, axis=1) / n_cols
+        centered = tl.where(mask, x - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=1) / n_cols + eps)
+        tl.store(MEAN + rows, mean, mask=row_mask)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        y = centered * rstd[:, None]
+        if HAS_WEIGHT:
+            y = y * w[None, :]
+        if HAS_BIAS:
+            y = y + b[None, :]
+        y = round_to(y, Y.dtype.element_ty, EMULATE_RNE)
+        tl.store(Y + rows64[:, None] * n_cols + cols[None, :], y, mask=mask)
+
+
+@triton.jit
+def _layer_norm_bwd_kernel(
+    X, DY, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,
+    n_rows, n_cols, stride_x, stride_dy, tiles_per_program,
+    HAS_WEIGHT: tl.constexpr, STORE_DX: tl.constexpr, STORE_DW: tl.constexpr, STORE_DB: tl.constexpr,
+    COMPUTE: tl.constexpr, EMULATE_RNE: tl.constexpr, ROW_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w; partial
+    dw = sum dy * xhat and db = sum dy over this program's rows."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(COMPUTE)
+    dw_acc = tl.zeros([BLOCK_N], dtype=COMPUTE)
+    db_acc = tl.zeros([BLOCK_N], dtype=COMPUTE)
+    for t in range(tiles_per_program):
+        rows = (pid * tiles_per_program + t) * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
+        row_mask = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
+        mean = tl.load(MEAN + rows, mask=row_mask, other=0.0).to(COMPUTE)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0).to(COMPUTE)
+        xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if STORE_DX:
+            if HAS_WEIGHT:
+                g = dy * w[None, :]
+            else:
+                g = dy
+            g_mean = tl.sum(g, axis=1) / n_cols
+            proj = tl.sum(g * xhat, axis=1) / n_cols
+            dx = (g - g_mean[:, None] - xhat * proj[:, None]) * rstd[:, None]
+            dx = round_to(dx, DX.dtype.element_ty, EMULATE_RNE)
+            tl.store(DX + rows64[:, None] * n_cols + cols[None, :], dx, mask=mask)
+        if STORE_DW:
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        if STORE_DB:
+            db_acc += tl.sum(dy, axis=0)
+    if STORE_DW:
+        tl.store(DW_PARTIAL + pid * n_cols + cols, dw_acc, mask=col_mask)
+    if STORE_DB:
+        tl.store(DB_PARTIAL + pid * n_cols + cols, db_acc, mask=col_mask)
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        torch_compute, tl_compute = compute_dtype(x, weight, bias)
+        n_cols = x.shape[-1]
+        n_rows = math.prod(x.shape[:-1])
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        mean = torch.empty(n_rows, dtype=torch_compute, device=x.device)
+        rstd = torch.empty(n_rows, dtype=torch_compute, device=x.device)
+        weight = weight.contiguous() if weight is not None else None
+        bias = bias.contiguous() if bias is not None else None
+        x_rows = x
+        if x.numel() > 0:
+            x_rows = as_rows(x)
+            plan = plan_row_tiles(n_rows, n_cols, x.device, persistent=False)
+            _layer_norm_fwd_kernel[(plan.num_programs,)](
+                x_rows, y, weight if weight is not None else x_rows, bias if bias is not None else x_rows, mean, rstd,
+                n_rows, n_cols, x_rows.stride(0), plan.tiles_per_program, eps,
+                HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, COMPUTE=tl_compute,
+                EMULATE_RNE=is_interpreter(), ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+            )
+        ctx.save_for_backward(x_rows, weight, bias, mean, rstd)
+        ctx.x_shape, ctx.compute = x.shape, (torch_compute, tl_compute)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_rows, weight, bias, mean, rstd = ctx.saved_tensors
+        need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+        if x_rows.numel() == 0:
+            dx = torch.zeros(ctx.x_shape, dtype=x_rows.dtype, device=x_rows.device) if need_dx else None
+            dw = torch.zeros_like(weight) if need_dw else None
+            db = torch.zeros_like(bias) if need_db else None
+            return dx, dw, db, None
+        if not (need_dx or need_dw or need_db):
+            return None, None, None, None
+        n_rows, n_cols = x_rows.shape
+        torch_compute, tl_compute = ctx.compute
+        dy_rows = as_rows(dy)
+        plan = plan_row_tiles(n_rows, n_cols, x_rows.device, persistent=True)
+        partial_shape = (plan.num_programs, n_cols)
+        dx = torch.empty((n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device) if need_dx else dy_rows
+        dw_partial = torch.empty(partial_shape, dtype=torch_compute, device=x_rows.device) if need_dw else rstd
+        db_partial = torch.empty(partial_shape, dtype=torch_compute, device=x_rows.device) if need_db else rstd
+        _layer_norm_bwd_kernel[(plan.num_programs,)](
+            x_rows, dy_rows, weight if weight is not None else x_rows, mean, rstd, dx, dw_partial, db_partial,
+            n_rows, n_cols, x_rows.stride(0), dy_rows.stride(0), plan.tiles_per_program,
+            HAS_WEIGHT=weight is not None, STORE_DX=need_dx, STORE_DW=need_dw, STORE_DB=need_db,
+            COMPUTE=tl_compute, EMULATE_RNE=is_interpreter(),
+            ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        )
+        dx = dx.view(ctx.x_shape) if need_dx else None
+        dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
+        db = db_partial.sum(0).to(bias.dtype) if need_db else None
+        return dx, dw, db, None
+
+
+def _check_affine(name: str, t: torch.Tensor | None, n_cols: int) -> None:
+    if t is None:
+        return
+    check_tensor(name, t, ndim=1)
+    if t.shape[0] != n_cols:
+        raise ValueError(f"{name} must have shape ({n_cols},) to match x's last dimension, got {tuple(t.shape)}")
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None = None, eps: float = 1e-5
+) -> torch.Tensor:
+    """LayerNorm over x's last dimension, then `* weight` and `+ bias` when given."""
+    check_tensor("x", x, min_ndim=1)
+    _check_affine("weight", weight, x.shape[-1])
+    _check_affine("bias", bias, x.shape[-1])
+    check_same_device(x=x, weight=weight, bias=bias)
+    check_device_supported("x", x)
+    eps = check_positive("eps", eps)
+    return _LayerNormFunction.apply(x, weight, bias, eps)

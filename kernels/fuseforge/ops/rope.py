@@ -1,6 +1,235 @@
-"""PLACEHOLDER: being written; replace this whole file."""
+"""Rotary position embedding (RoPE) for queries and keys in one fused kernel.
 
-def rope(*args, **kwargs):
-    raise NotImplementedError('rope is not written yet')
+Semantics are Hugging Face's `apply_rotary_pos_emb` (rotate-half convention),
+including partial rotary (`cos`/`sin` narrower than the head: only the first
+`Dr` dims rotate, the rest pass through). With h = Dr / 2:
+
+    out[:h]   = x[:h] * cos[:h] - x[h:Dr] * sin[:h]
+    out[h:Dr] = x[h:Dr] * cos[h:] + x[:h] * sin[h:]
+
+One program handles a block of (batch, token) positions and every head of q
+and k there, so cos/sin are read once per position. q/k are read through
+their strides (HF hands over `view(...).transpose(1, 2)` views), so nothing is
+copied. The op is linear in q/k: backward applies the transposed map to the
+gradients (for HF's cos/sin, whose halves are equal, that is the inverse
+rotation); only cos/sin are kept for it, and they get no gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fuseforge.ops.utils import (
+    FLOAT_DTYPES,
+    check_device_supported,
+    check_same_device,
+    check_same_dtype,
+    check_tensor,
+    is_interpreter,
+)
+
+# Elements of one half-head tile ([tokens, heads, Dr/2]) a program keeps live.
+_GPU_TILE = 2048
+# The interpreter pays per program and per op, not per element: use big tiles.
+_INTERPRETER_TILE = 32768
 
 
+@triton.jit
+def _upcast(x, FP64: tl.constexpr):
+    if FP64:
+        return x.to(tl.float64)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr, out_ptr,
+    sx_b, sx_h, sx_t, sx_d,
+    so_b, so_h, so_t, so_d,
+    b, t, row_mask, cos1, cos2, sin1, sin2, n_heads,
+    HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    FP64: tl.constexpr,
+):
+    """Rotate all heads of one tensor at the positions (b, t) ([BLOCK_T, 1, 1] each)."""
+    d = tl.arange(0, BLOCK_HALF)[None, None, :]
+    d_mask = d < HALF
+    x_pos = x_ptr + b * sx_b + t * sx_t
+    o_pos = out_ptr + b * so_b + t * so_t
+    for h0 in range(0, n_heads, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)[None, :, None]
+        head_mask = row_mask & (h < n_heads)
+        mask = head_mask & d_mask
+        x_head = x_pos + h * sx_h
+        x1 = _upcast(tl.load(x_head + d * sx_d, mask=mask, other=0.0), FP64)
+        x2 = _upcast(tl.load(x_head + (d + HALF) * sx_d, mask=mask, other=0.0), FP64)
+        o1 = x1 * cos1 - x2 * sin1
+        o2 = x2 * cos2 + x1 * sin2
+        o_head = o_pos + h * so_h
+        tl.store(o_head + d * so_d, o1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_head + (d + HALF) * so_d, o2.to(out_ptr.dtype.element_ty), mask=mask)
+        if HEAD_DIM > 2 * HALF:
+            p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, None, :]
+            p_mask = head_mask & (p < HEAD_DIM)
+            passed = tl.load(x_head + p * sx_d, mask=p_mask, other=0.0)
+            tl.store(o_head + p * so_d, passed, mask=p_mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
+    sq_b, sq_h, sq_t, sq_d,
+    sk_b, sk_h, sk_t, sk_d,
+    sqo_b, sqo_h, sqo_t, sqo_d,
+    sko_b, sko_h, sko_t, sko_d,
+    sc_b, sc_t, sc_d,
+    ss_b, ss_t, ss_d,
+    n_rows, seq_len, n_q_heads, n_k_heads,
+    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BACKWARD: tl.constexpr, FP64: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = (rows < n_rows)[:, None, None]
+    b = (rows // seq_len)[:, None, None]
+    t = (rows % seq_len)[:, None, None]
+
+    d = tl.arange(0, BLOCK_HALF)[None, None, :]
+    cs_mask = row_mask & (d < HALF)
+    cos_pos = cos_ptr + b * sc_b + t * sc_t
+    sin_pos = sin_ptr + b * ss_b + t * ss_t
+    cos1 = _upcast(tl.load(cos_pos + d * sc_d, mask=cs_mask, other=0.0), FP64)
+    cos2 = _upcast(tl.load(cos_pos + (d + HALF) * sc_d, mask=cs_mask, other=0.0), FP64)
+    sin1 = _upcast(tl.load(sin_pos + d * ss_d, mask=cs_mask, other=0.0), FP64)
+    sin2 = _upcast(tl.load(sin_pos + (d + HALF) * ss_d, mask=cs_mask, other=0.0), FP64)
+    if BACKWARD:
+        # Transpose of [[cos1, -sin1], [sin2, cos2]]: same kernel with the sines swapped and negated.
+        sin1, sin2 = -sin2, -sin1
+
+    _rotate_heads(q_ptr, q_out_ptr, sq_b, sq_h, sq_t, sq_d, sqo_b, sqo_h, sqo_t, sqo_d,
+                  b, t, row_mask, cos1, cos2, sin1, sin2, n_q_heads,
+                  HALF, HEAD_DIM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, FP64)
+    _rotate_heads(k_ptr, k_out_ptr, sk_b, sk_h, sk_t, sk_d, sko_b, sko_h, sko_t, sko_d,
+                  b, t, row_mask, cos1, cos2, sin1, sin2, n_k_heads,
+                  HALF, HEAD_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, FP64)
+
+
+def _bhtd_strides(x: torch.Tensor, heads_dim: int) -> tuple[int, int, int, int]:
+    """Strides of `x` in (batch, head, token, dim) order, whichever of dims 1/2 holds the heads."""
+    token_dim = 3 - heads_dim
+    return x.stride(0), x.stride(heads_dim), x.stride(token_dim), x.stride(3)
+
+
+def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool) -> None:
+    batch, seq_len, head_dim = q.shape[0], q.shape[3 - heads_dim], q.shape[3]
+    n_q_heads, n_k_heads = q.shape[heads_dim], k.shape[heads_dim]
+    n_rows = batch * seq_len
+    if n_rows == 0 or n_q_heads == 0:
+        return
+    half = cos.shape[-1] // 2
+    block_half = triton.next_power_of_2(half)
+    block_pass = triton.next_power_of_2(max(head_dim - 2 * half, 1))
+    tile = _INTERPRETER_TILE if is_interpreter() else _GPU_TILE
+    heads_per_tile = max(1, tile // block_half)
+    block_hq = min(triton.next_power_of_2(n_q_heads), heads_per_tile)
+    block_hk = min(triton.next_power_of_2(n_k_heads), heads_per_tile)
+    block_t = max(1, tile // (block_hq * block_half))
+    block_t = min(block_t, triton.next_power_of_2(n_rows))
+    num_warps = 4 if block_t * block_hq * block_half <= 2048 else 8
+    cos_batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
+    sin_batch_stride = sin.stride(0) if sin.shape[0] > 1 else 0
+    grid = (triton.cdiv(n_rows, block_t),)
+    _rope_kernel[grid](
+        q, k, q_out, k_out, cos, sin,
+        *_bhtd_strides(q, heads_dim),
+        *_bhtd_strides(k, heads_dim),
+        *_bhtd_strides(q_out, heads_dim),
+        *_bhtd_strides(k_out, heads_dim),
+        cos_batch_stride, cos.stride(1), cos.stride(2),
+        sin_batch_stride, sin.stride(1), sin.stride(2),
+        n_rows, seq_len, n_q_heads, n_k_heads,
+        HALF=half, HEAD_DIM=head_dim, BLOCK_T=block_t,
+        BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+        BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
+        BACKWARD=backward, FP64=q_out.dtype == torch.float64,
+        num_warps=num_warps,
+    )
+
+
+class _RoPEFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, heads_dim):
+        # empty_like keeps q's memory layout (e.g. [B, T, H, D] under a transposed view), as HF's
+        # elementwise formula would, so attention kernels downstream see the same strides.
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        _launch(q, k, q_out, k_out, cos, sin, heads_dim, backward=False)
+        ctx.save_for_backward(cos, sin)
+        ctx.heads_dim = heads_dim
+        return q_out, k_out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_q_out, grad_k_out):
+        cos, sin = ctx.saved_tensors
+        grad_q, grad_k = torch.empty_like(grad_q_out), torch.empty_like(grad_k_out)
+        _launch(grad_q_out, grad_k_out, grad_q, grad_k, cos, sin, ctx.heads_dim, backward=True)
+        return grad_q, grad_k, None, None, None
+
+
+def _validate(q, k, cos, sin, unsqueeze_dim) -> int:
+    """Check the inputs; return the dim of q/k that holds the heads (1 or 2)."""
+    check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("k", k, ndim=4, dtypes=FLOAT_DTYPES)
+    check_tensor("cos", cos, ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor("sin", sin, ndim=3, dtypes=FLOAT_DTYPES)
+    check_same_dtype(q=q, k=k)
+    check_same_device(q=q, k=k, cos=cos, sin=sin)
+    check_device_supported("q", q)
+    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int):
+        raise TypeError(f"unsqueeze_dim must be an int, got {type(unsqueeze_dim).__name__}")
+    heads_dim = unsqueeze_dim + 4 if unsqueeze_dim < 0 else unsqueeze_dim
+    if heads_dim not in (1, 2):
+        raise ValueError(
+            f"unsqueeze_dim must be 1 (q/k as [batch, heads, seq, head_dim]) or 2 "
+            f"([batch, seq, heads, head_dim]), got {unsqueeze_dim}"
+        )
+    token_dim = 3 - heads_dim
+    layout = "[batch, heads, seq, head_dim]" if heads_dim == 1 else "[batch, seq, heads, head_dim]"
+    if (q.shape[0], q.shape[token_dim], q.shape[3]) != (k.shape[0], k.shape[token_dim], k.shape[3]):
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, seq and head_dim (layout {layout})"
+        )
+    n_q_heads, n_k_heads = q.shape[heads_dim], k.shape[heads_dim]
+    if n_k_heads == 0 or n_q_heads % n_k_heads != 0:
+        raise ValueError(f"k's {n_k_heads} heads must divide q's {n_q_heads} heads (layout {layout})")
+    if cos.shape != sin.shape:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have the same shape")
+    batch, seq_len, head_dim = q.shape[0], q.shape[token_dim], q.shape[3]
+    if cos.shape[0] not in (1, batch) or cos.shape[1] != seq_len:
+        raise ValueError(
+            f"cos/sin must have shape [1 or batch={batch}, seq={seq_len}, rotary_dim], got {tuple(cos.shape)}"
+        )
+    rotary_dim = cos.shape[2]
+    if rotary_dim == 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(
+            f"cos/sin's last dim (rotary_dim={rotary_dim}) must be even, > 0 and <= q/k's head_dim={head_dim}"
+        )
+    return heads_dim
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply rotary position embeddings to q and k (Hugging Face `apply_rotary_pos_emb` semantics).
+
+    q: [B, Hq, T, D] and k: [B, Hk, T, D] (Hk divides Hq), or [B, T, H, D] with unsqueeze_dim=2;
+    any strides. cos/sin: [1 or B, T, Dr] with Dr even and <= D; only the first Dr dims of each
+    head rotate. Returns new tensors in q/k's dtype and memory layout; computes in fp32 (fp64 for
+    fp64 inputs). cos/sin may have another float dtype than q/k and receive no gradient.
+    """
+    heads_dim = _validate(q, k, cos, sin, unsqueeze_dim)
+    return _RoPEFunction.apply(q, k, cos, sin, heads_dim)

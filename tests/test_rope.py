@@ -1,0 +1,229 @@
+"""fuseforge.functional.rope against a float64 rendering of Hugging Face's RoPE formula."""
+
+import pytest
+import torch
+from tolerances import assert_close
+
+import fuseforge.ops.rope as rope_module
+from fuseforge.functional import rope
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def rope_reference(q, k, cos, sin, unsqueeze_dim=1):
+    """HF's formula in float64: x_rot * cos + rotate_half(x_rot) * sin, the rest passed through."""
+    cos = cos.double().unsqueeze(unsqueeze_dim)
+    sin = sin.double().unsqueeze(unsqueeze_dim)
+    rotary_dim = cos.shape[-1]
+    half = rotary_dim // 2
+
+    def apply(x):
+        x = x.double()
+        rot, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+        rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        return torch.cat((rot * cos + rotated_half * sin, passed), dim=-1)
+
+    return apply(q), apply(k)
+
+
+def make_qk(batch, seq, q_heads, k_heads, head_dim, dtype, device, layout="hf"):
+    """q/k as HF builds them: a [B, T, H, D] projection output viewed as [B, H, T, D] ("hf"), the same
+    sliced out of a fused qkv projection ("fused_qkv", Phi-3), plain contiguous [B, H, T, D]
+    ("contiguous"), or [B, T, H, D] for unsqueeze_dim=2 ("bthd")."""
+
+    def one(heads):
+        if layout == "contiguous":
+            x = torch.randn(batch, heads, seq, head_dim, device=device)
+        else:
+            extra = 3 if layout == "fused_qkv" else 0
+            x = torch.randn(batch, seq, (heads + extra) * head_dim, device=device)[..., : heads * head_dim]
+            x = x.view(batch, seq, heads, head_dim)
+            if layout in ("hf", "fused_qkv"):
+                x = x.transpose(1, 2)
+        return x.to(dtype).requires_grad_()
+
+    return one(q_heads), one(k_heads)
+
+
+def make_cos_sin(cos_batch, seq, rotary_dim, dtype, device):
+    # Independent random halves (unlike HF's duplicated ones) so a mixed-up half cannot pass.
+    cos = torch.randn(cos_batch, seq, rotary_dim, device=device).to(dtype)
+    sin = torch.randn(cos_batch, seq, rotary_dim, device=device).to(dtype)
+    return cos, sin
+
+
+def check_against_reference(q, k, cos, sin, dtype, unsqueeze_dim=1):
+    q_before, k_before = q.detach().clone(), k.detach().clone()
+    q_out, k_out = rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    q64 = q.detach().double().requires_grad_()
+    k64 = k.detach().double().requires_grad_()
+    q_ref, k_ref = rope_reference(q64, k64, cos, sin, unsqueeze_dim)
+    assert q_out.dtype == q.dtype and k_out.dtype == k.dtype
+    assert q_out.shape == q.shape and k_out.shape == k.shape
+    assert_close(q_out, q_ref, dtype, msg="q_out")
+    assert_close(k_out, k_ref, dtype, msg="k_out")
+
+    grad_q, grad_k = torch.randn_like(q_out), torch.randn_like(k_out)
+    dq, dk = torch.autograd.grad((q_out, k_out), (q, k), (grad_q, grad_k))
+    dq_ref, dk_ref = torch.autograd.grad((q_ref, k_ref), (q64, k64), (grad_q.double(), grad_k.double()))
+    assert_close(dq, dq_ref, dtype, msg="grad q")
+    assert_close(dk, dk_ref, dtype, msg="grad k")
+    assert torch.equal(q.detach(), q_before) and torch.equal(k.detach(), k_before), "inputs were modified"
+    return q_out, k_out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    "head_dim,rotary_dim", [(64, 64), (80, 80), (96, 96), (64, 32), (80, 48), (96, 40)], ids=lambda v: str(v)
+)
+def test_head_dims_and_partial_rotary(device, dtype, head_dim, rotary_dim):
+    q, k = make_qk(2, 7, 4, 2, head_dim, dtype, device)
+    cos, sin = make_cos_sin(1, 7, rotary_dim, dtype, device)
+    check_against_reference(q, k, cos, sin, dtype)
+
+
+@pytest.mark.parametrize("q_heads,k_heads", [(4, 2), (4, 4), (4, 1), (6, 3)])
+@pytest.mark.parametrize("cos_batch", ["broadcast", "per_batch"])
+def test_gqa_and_cos_batch(device, q_heads, k_heads, cos_batch):
+    batch = 3
+    q, k = make_qk(batch, 5, q_heads, k_heads, 80, torch.float32, device)
+    cos, sin = make_cos_sin(1 if cos_batch == "broadcast" else batch, 5, 64, torch.float32, device)
+    check_against_reference(q, k, cos, sin, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "layout,unsqueeze_dim", [("contiguous", 1), ("fused_qkv", 1), ("bthd", 2), ("bthd", -2), ("hf", -3)]
+)
+def test_layouts(device, dtype, layout, unsqueeze_dim):
+    q, k = make_qk(2, 6, 4, 2, 96, dtype, device, layout)
+    cos, sin = make_cos_sin(2, 6, 64, dtype, device)
+    check_against_reference(q, k, cos, sin, dtype, unsqueeze_dim=unsqueeze_dim)
+
+
+def test_output_keeps_input_memory_layout(device):
+    """Like HF's elementwise formula, outputs keep q/k's strides, so attention sees the same layout."""
+    q, k = make_qk(2, 5, 4, 2, 64, torch.float32, device, "hf")
+    cos, sin = make_cos_sin(1, 5, 64, torch.float32, device)
+    q_out, k_out = rope(q, k, cos, sin)
+    assert q_out.stride() == q.stride() and k_out.stride() == k.stride()
+
+
+def test_strided_cos_sin_and_mixed_dtypes(device):
+    """cos/sin as non-contiguous slices, in fp32 while q/k are bf16: outputs stay bf16."""
+    q, k = make_qk(2, 5, 4, 2, 64, torch.bfloat16, device)
+    cos_sin = torch.randn(2, 5, 2 * 48, device=device)
+    cos, sin = cos_sin[..., :48], cos_sin[..., 48:]
+    assert not cos.is_contiguous()
+    q_out, _ = check_against_reference(q, k, cos, sin, torch.bfloat16)
+    assert q_out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("tile", [64, 512])
+def test_launch_tiling_does_not_change_results(device, monkeypatch, tile):
+    """Small tiles force several programs, partial token blocks and the head loop with a masked tail."""
+    monkeypatch.setattr(rope_module, "_INTERPRETER_TILE", tile)
+    monkeypatch.setattr(rope_module, "_GPU_TILE", tile)
+    q, k = make_qk(3, 5, 6, 3, 64, torch.float32, device)
+    cos, sin = make_cos_sin(3, 5, 64, torch.float32, device)
+    check_against_reference(q, k, cos, sin, torch.float32)
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_matches_transformers_apply_rotary_pos_emb(device, family):
+    """Real HF cos/sin (Phi-3 with partial_rotary_factor=0.5) against HF's own function."""
+    if family == "llama":
+        from transformers import LlamaConfig as Config
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        config = Config(hidden_size=128, num_attention_heads=4, num_key_value_heads=2)
+    else:
+        from transformers import Phi3Config as Config
+        from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding as Rotary
+        from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+        config = Config(hidden_size=160, num_attention_heads=2, num_key_value_heads=1, partial_rotary_factor=0.5)
+    head_dim = config.hidden_size // config.num_attention_heads
+    q, k = make_qk(2, 9, config.num_attention_heads, config.num_key_value_heads, head_dim, torch.float32, device)
+    position_ids = torch.arange(3, 12, device=device).expand(2, -1)
+    cos, sin = Rotary(config).to(device)(q, position_ids)
+    q_out, k_out = rope(q, k, cos, sin)
+    q_hf, k_hf = apply_rotary_pos_emb(q, k, cos, sin)
+    assert_close(q_out, q_hf, torch.float32)
+    assert_close(k_out, k_hf, torch.float32)
+    grads = torch.randn_like(q_out), torch.randn_like(k_out)
+    for ours, theirs in zip(
+        torch.autograd.grad((q_out, k_out), (q, k), grads), torch.autograd.grad((q_hf, k_hf), (q, k), grads)
+    ):
+        assert_close(ours, theirs, torch.float32)
+
+
+def test_gradcheck_float64(device):
+    q = torch.randn(1, 2, 2, 6, dtype=torch.float64, device=device).transpose(1, 2).requires_grad_()
+    k = torch.randn(1, 1, 2, 6, dtype=torch.float64, device=device, requires_grad=True)
+    cos, sin = make_cos_sin(1, 2, 4, torch.float64, device)
+    assert torch.autograd.gradcheck(lambda q, k: rope(q, k, cos, sin), (q, k), fast_mode=True)
+
+
+def test_broadcast_gradients_and_no_cos_sin_gradient(device):
+    """.sum() hands backward stride-0 gradients; cos/sin never receive a gradient."""
+    q, k = make_qk(1, 3, 2, 1, 64, torch.float32, device)
+    cos, sin = make_cos_sin(1, 3, 48, torch.float32, device)
+    cos.requires_grad_()
+    q_out, k_out = rope(q, k, cos, sin)
+    (q_out.sum() + k_out.sum()).backward()
+    assert cos.grad is None
+    q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+    q_ref, k_ref = rope_reference(q64, k64, cos.detach(), sin)
+    (q_ref.sum() + k_ref.sum()).backward()
+    assert_close(q.grad, q64.grad, torch.float32)
+    assert_close(k.grad, k64.grad, torch.float32)
+
+
+def test_empty_sequence(device):
+    q, k = make_qk(2, 0, 4, 2, 64, torch.float32, device)
+    cos, sin = make_cos_sin(1, 0, 64, torch.float32, device)
+    q_out, k_out = rope(q, k, cos, sin)
+    assert q_out.shape == q.shape and k_out.shape == k.shape
+
+
+def _valid(device):
+    q = torch.randn(2, 4, 5, 64, device=device)
+    k = torch.randn(2, 2, 5, 64, device=device)
+    cos, sin = make_cos_sin(1, 5, 64, torch.float32, device)
+    return dict(q=q, k=k, cos=cos, sin=sin)
+
+
+@pytest.mark.parametrize(
+    "change,error,match",
+    [
+        (lambda a: dict(a, q=a["q"][0]), ValueError, "q must have 4 dimensions"),
+        (lambda a: dict(a, k=[1.0]), TypeError, "k must be a torch.Tensor"),
+        (lambda a: dict(a, cos=a["cos"][0]), ValueError, "cos must have 3 dimensions"),
+        (lambda a: dict(a, q=a["q"].long()), TypeError, "q must have dtype"),
+        (lambda a: dict(a, k=a["k"].double()), TypeError, "k has dtype"),
+        (lambda a: dict(a, k=a["k"][:1]), ValueError, "must agree in batch"),
+        (lambda a: dict(a, k=a["k"][..., :32]), ValueError, "must agree in batch, seq and head_dim"),
+        (lambda a: dict(a, k=torch.randn(2, 3, 5, 64, device=a["q"].device)), ValueError, "k's 3 heads must divide q's 4"),
+        (lambda a: dict(a, sin=a["sin"][..., :32]), ValueError, "cos .* and sin .* must have the same shape"),
+        (lambda a: dict(a, cos=a["cos"].expand(3, -1, -1), sin=a["sin"].expand(3, -1, -1)), ValueError, "batch=2"),
+        (lambda a: dict(a, cos=a["cos"][:, :4], sin=a["sin"][:, :4]), ValueError, "seq=5"),
+        (lambda a: dict(a, cos=a["cos"][..., :31], sin=a["sin"][..., :31]), ValueError, "must be even"),
+        (
+            lambda a: dict(a, cos=a["q"].new_ones(1, 5, 66), sin=a["q"].new_ones(1, 5, 66)),
+            ValueError,
+            "rotary_dim=66",
+        ),
+        (lambda a: dict(a, unsqueeze_dim=3), ValueError, "unsqueeze_dim must be 1"),
+        (lambda a: dict(a, unsqueeze_dim=1.0), TypeError, "unsqueeze_dim must be an int"),
+    ],
+)
+def test_bad_inputs(device, change, error, match):
+    with pytest.raises(error, match=match):
+        rope(**change(_valid(device)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to mix devices")
+def test_mixed_devices_rejected():
+    args = _valid("cuda")
+    with pytest.raises(ValueError, match="cos is on"):
+        rope(args["q"], args["k"], args["cos"].cpu(), args["sin"])

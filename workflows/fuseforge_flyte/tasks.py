@@ -1,0 +1,244 @@
+"""Flyte tasks: elastic multi-GPU training, and the with/without-kernels summary.
+
+Registration-time config: the decorator arguments (image, GPUs, CPU, memory, /dev/shm, node selector,
+tolerations, elastic nnodes/nproc_per_node/max_restarts) are read from platform.toml when this module
+is imported, i.e. when `pyflyte run`/`pyflyte register` loads it. The resolved config also travels in
+the task's environment (FUSEFORGE_RESOLVED_CONFIG), so the pod launches the workers exactly as registered.
+
+Local runs (`pyflyte run` without --remote, or calling a workflow in Python) use one node and
+[elastic].local_nproc_per_node workers (capped at the local GPU count); without CUDA they use gloo and
+run the Triton kernels through the interpreter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any, Dict, Optional
+
+from flytekit import Deck, PodTemplate, Resources, task
+from flytekit.core.context_manager import FlyteContextManager
+from flytekit.extend import TaskPlugins
+from flytekit.extras.accelerators import GPUAccelerator
+from flytekitplugins.kfpytorch.task import Elastic, PytorchElasticFunctionTask
+from kubernetes.client import V1PodSpec, V1Toleration
+
+from fuseforge_flyte.comparison import Comparison, compare_metrics
+from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, PlatformConfig, get_config
+from fuseforge_flyte.image import training_image
+from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
+
+
+@dataclasses.dataclass
+class ElasticTraining(Elastic):
+    """kfpytorch's Elastic, plus how many workers to start when the task runs locally."""
+
+    local_nproc_per_node: int = 2
+
+
+class ElasticTrainingTask(PytorchElasticFunctionTask):
+    """Runs as registered on the cluster; locally, one node of `local_nproc_per_node` workers."""
+
+    def execute(self, **kwargs: Any) -> Any:
+        state = FlyteContextManager.current_context().execution_state
+        if state is None or not state.is_local_execution():
+            return super().execute(**kwargs)
+        import torch
+
+        workers = self.task_config.local_nproc_per_node
+        if torch.cuda.is_available():
+            workers = min(workers, torch.cuda.device_count())
+        else:
+            use_triton_interpreter_without_cuda()  # inherited by the workers before they import any kernel
+        registered = (self._task_config, self.min_nodes, self.max_nodes)
+        self._task_config = dataclasses.replace(self.task_config, nnodes=1, nproc_per_node=workers)
+        self.min_nodes = self.max_nodes = 1
+        try:
+            return super().execute(**kwargs)
+        finally:
+            self._task_config, self.min_nodes, self.max_nodes = registered
+
+
+TaskPlugins.register_pythontask_plugin(ElasticTraining, ElasticTrainingTask)
+
+
+def use_triton_interpreter_without_cuda() -> None:
+    """TRITON_INTERPRET=1 when there is no GPU; it only works if set before any @triton.jit kernel is defined."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1" and any(m.startswith("fuseforge.ops") for m in sys.modules):
+        raise RuntimeError(
+            "no CUDA device and fuseforge's Triton kernels were imported before TRITON_INTERPRET=1 was set; "
+            "set TRITON_INTERPRET=1 in the environment before starting the run"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+# ------------------------------------------------------------------------------- decorator arguments
+
+
+def elastic_config(config: PlatformConfig) -> ElasticTraining:
+    e = config.elastic
+    return ElasticTraining(
+        nnodes=e.nnodes,
+        nproc_per_node=e.nproc_per_node,
+        local_nproc_per_node=e.local_nproc_per_node,
+        start_method=e.start_method,
+        monitor_interval=e.monitor_interval,
+        max_restarts=e.max_restarts,
+        rdzv_configs={
+            "timeout": e.rdzv_timeout,
+            "join_timeout": e.rdzv_join_timeout,
+            "read_timeout": e.rdzv_read_timeout,
+        },
+        increase_shared_mem=False,  # /dev/shm comes from @task(shared_memory=...) below
+    )
+
+
+def pod_template(config: PlatformConfig) -> Optional[PodTemplate]:
+    """Node selector and tolerations for the training pods (None when there are none)."""
+    cluster = config.cluster
+    if not cluster.node_selector and not cluster.tolerations:
+        return None
+    tolerations = [
+        V1Toleration(
+            key=t.key or None,
+            operator=t.operator,
+            value=t.value or None,
+            effect=t.effect or None,
+            toleration_seconds=t.toleration_seconds,
+        )
+        for t in cluster.tolerations
+    ]
+    spec = V1PodSpec(containers=[], node_selector=dict(cluster.node_selector) or None, tolerations=tolerations or None)
+    return PodTemplate(pod_spec=spec)
+
+
+def training_task_options(config: PlatformConfig) -> Dict[str, Any]:
+    """Keyword arguments of @task for the training task, all from platform.toml."""
+    cluster = config.cluster
+    gpu = {"gpu": cluster.gpus} if cluster.gpus > 0 else {}
+    options: Dict[str, Any] = dict(
+        task_config=elastic_config(config),
+        container_image=training_image(config),
+        requests=Resources(cpu=cluster.cpu, mem=cluster.memory, **gpu),
+        limits=Resources(mem=cluster.memory, **gpu),
+        environment={RESOLVED_CONFIG_ENV: config.to_json()},
+        retries=config.flyte.retries,
+        enable_deck=True,
+    )
+    if cluster.accelerator:
+        options["accelerator"] = GPUAccelerator(cluster.accelerator)
+    if cluster.shared_memory:
+        options["shared_memory"] = cluster.shared_memory
+    template = pod_template(config)
+    if template is not None:
+        options["pod_template"] = template
+    if cluster.pod_template_name:
+        options["pod_template_name"] = cluster.pod_template_name
+    return options
+
+
+def summary_task_options(config: PlatformConfig) -> Dict[str, Any]:
+    """The comparison summary is light: same image, a small pod, no GPU."""
+    return dict(
+        container_image=training_image(config),
+        requests=Resources(cpu="1", mem="2Gi"),
+        limits=Resources(mem="2Gi"),
+        environment={RESOLVED_CONFIG_ENV: config.to_json()},
+        enable_deck=True,
+    )
+
+
+# ------------------------------------------------------------------------------- tasks
+
+CONFIG = get_config()
+DEFAULTS = CONFIG.train_spec()
+
+
+def run_training(spec: TrainSpec) -> TrainMetrics:
+    """One elastic worker: train, and on global rank 0 add the metrics Deck (only rank 0's comes back)."""
+    spec.validate()
+    use_triton_interpreter_without_cuda()
+    try:
+        # Imported only now, after the interpreter decision: the engine imports the Triton kernels.
+        from fuseforge_flyte.decks import training_deck_html
+        from fuseforge_flyte.training.engine import train
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            f"{exc}. If this runs on a cluster: `pyflyte run --remote` uploads only the modules it imported "
+            "unless given `--copy all`, and that partial fuseforge_flyte hides the image's complete one; "
+            "run `pyflyte run --remote --copy all ...`."
+        ) from exc
+
+    metrics = train(spec)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Deck("Training metrics", training_deck_html(metrics))
+    return metrics
+
+
+@task(**training_task_options(CONFIG))
+def train_model(
+    model: str = DEFAULTS.model,
+    dataset: str = DEFAULTS.dataset,
+    steps: int = DEFAULTS.steps,
+    batch_size: int = DEFAULTS.batch_size,
+    seq_len: int = DEFAULTS.seq_len,
+    grad_accum: int = DEFAULTS.grad_accum,
+    lr: float = DEFAULTS.lr,
+    weight_decay: float = DEFAULTS.weight_decay,
+    warmup_steps: int = DEFAULTS.warmup_steps,
+    grad_clip: float = DEFAULTS.grad_clip,
+    kernels: bool = DEFAULTS.kernels,
+    strategy: str = DEFAULTS.strategy,
+    zero_stage: int = DEFAULTS.zero_stage,
+    offload: bool = DEFAULTS.offload,
+    dtype: str = DEFAULTS.dtype,
+    gradient_checkpointing: bool = DEFAULTS.gradient_checkpointing,
+    seed: int = DEFAULTS.seed,
+    checkpoint_dir: Optional[str] = DEFAULTS.checkpoint_dir,
+    checkpoint_every: int = DEFAULTS.checkpoint_every,
+    keep_last: int = DEFAULTS.keep_last,
+    nonfinite_policy: str = DEFAULTS.nonfinite_policy,
+    log_every: int = DEFAULTS.log_every,
+) -> TrainMetrics:
+    """Train `model` with torch elastic on this task's GPUs; returns rank 0's throughput/memory/loss metrics."""
+    return run_training(
+        TrainSpec(
+            model=model,
+            dataset=dataset,
+            steps=steps,
+            batch_size=batch_size,
+            seq_len=seq_len,
+            grad_accum=grad_accum,
+            lr=lr,
+            weight_decay=weight_decay,
+            warmup_steps=warmup_steps,
+            grad_clip=grad_clip,
+            kernels=kernels,
+            strategy=strategy,
+            zero_stage=zero_stage,
+            offload=offload,
+            dtype=dtype,
+            gradient_checkpointing=gradient_checkpointing,
+            seed=seed,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=checkpoint_every,
+            keep_last=keep_last,
+            nonfinite_policy=nonfinite_policy,
+            log_every=log_every,
+        )
+    )
+
+
+@task(**summary_task_options(CONFIG))
+def summarize_comparison(with_kernels: TrainMetrics, without_kernels: TrainMetrics) -> Comparison:
+    """Throughput gain and memory reduction of the kernels, with a side-by-side Deck."""
+    from fuseforge_flyte.decks import comparison_deck_html
+
+    comparison = compare_metrics(with_kernels, without_kernels)
+    Deck("Kernels vs no kernels", comparison_deck_html(comparison))
+    return comparison

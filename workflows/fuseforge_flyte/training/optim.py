@@ -1,0 +1,50 @@
+"""AdamW with the usual decay/no-decay split and a warmup + cosine learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List
+
+import torch
+
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+MIN_LR_RATIO = 0.1  # cosine decays to 10% of the peak learning rate at the last step
+
+
+def param_groups(named_params: Iterable, weight_decay: float) -> List[Dict]:
+    """Weight decay on matrices only: norms' scales and biases (1-D) are not decayed."""
+    decay, no_decay = [], []
+    for _, param in named_params:
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def adamw(groups: List[Dict], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS)
+
+
+class WarmupCosine:
+    """LR multiplier: linear warmup over `warmup` steps, then cosine from 1 to MIN_LR_RATIO.
+
+    A class rather than a lambda so that LambdaLR's state_dict stays picklable.
+    """
+
+    def __init__(self, warmup: int, total: int):
+        self.warmup = warmup
+        self.total = total
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        span = max(1, self.total - self.warmup)
+        progress = min(1.0, (step - self.warmup) / span)
+        return MIN_LR_RATIO + (1.0 - MIN_LR_RATIO) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, total))

@@ -1,0 +1,350 @@
+"""How the model is replicated or sharded over ranks: DDP, FSDP2 or DeepSpeed ZeRO.
+
+Each strategy wraps the model, owns the optimizer and LR schedule, runs one
+micro-batch forward/backward, applies the optimizer step, and saves/loads its own
+training state (see checkpoint.py for the format choice per strategy).
+
+Precision: on GPU, DDP keeps fp32 weights and runs under autocast; FSDP2 keeps fp32
+shards and computes in bf16 through MixedPrecisionPolicy (fp32 gradient reduction);
+DeepSpeed holds bf16/fp16 weights with fp32 master copies in the optimizer. On the
+CPU everything is fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Dict, Optional
+
+import torch
+
+from fuseforge_flyte.training import optim
+from fuseforge_flyte.training.distributed import DistContext
+from fuseforge_flyte.training.lm_head import install_lm_head_guard
+from fuseforge_flyte.training.spec import TrainSpec
+
+STRATEGIES = ("ddp", "fsdp", "deepspeed")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(spec: TrainSpec, device: torch.device) -> str:
+    """The precision actually used: the spec's on GPU, fp32 on the CPU."""
+    return spec.dtype if device.type == "cuda" else "fp32"
+
+
+def _weights_only_load(path: str, device: torch.device):
+    return torch.load(path, map_location=device, weights_only=True)
+
+
+class Strategy:
+    """Common interface; subclasses fill in wrapping, stepping and state I/O."""
+
+    name = ""
+    needs_process_group = False
+
+    def __init__(self, spec: TrainSpec, ctx: DistContext):
+        self.spec = spec
+        self.ctx = ctx
+        self.dtype = compute_dtype(spec, ctx.device)
+        self.model: torch.nn.Module  # what forward is called on
+        self.inner: torch.nn.Module  # the Hugging Face model inside the wrapper
+
+    def setup(self, model: torch.nn.Module) -> None:
+        raise NotImplementedError
+
+    def forward(self, input_ids: torch.Tensor, last_micro: bool) -> torch.Tensor:
+        raise NotImplementedError
+
+    def backward(self, loss: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        raise NotImplementedError
+
+    def discard_step(self) -> None:
+        """Drop the gradients of a step that will not be applied (non-finite loss)."""
+        raise NotImplementedError
+
+    def lr(self) -> float:
+        raise NotImplementedError
+
+    def save(self, directory: str) -> None:
+        raise NotImplementedError
+
+    def load(self, directory: str) -> None:
+        raise NotImplementedError
+
+
+class _TorchOptimized(Strategy):
+    """Shared by DDP and FSDP: a torch AdamW + LambdaLR driven by the engine."""
+
+    def _build_optimizer(self) -> None:
+        groups = optim.param_groups(self.model.named_parameters(), self.spec.weight_decay)
+        self.optimizer = optim.adamw(groups, self.spec.lr)
+        self.scheduler = optim.scheduler(self.optimizer, self.spec.warmup_steps, self.spec.steps)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss / self.spec.grad_accum).backward()
+
+    def _clip(self) -> None:
+        if self.spec.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
+
+    def optimizer_step(self) -> None:
+        self._clip()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def discard_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+
+class DDPStrategy(_TorchOptimized):
+    """DistributedDataParallel; a single process trains the plain model."""
+
+    name = "ddp"
+
+    def setup(self, model: torch.nn.Module) -> None:
+        self.inner = model
+        if self.ctx.world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
+            self.model = DistributedDataParallel(model, device_ids=ids)
+        else:
+            self.model = model
+        self._build_optimizer()
+        self.scaler = torch.amp.GradScaler("cuda") if self.dtype == "fp16" else None
+
+    def _autocast(self):
+        if self.dtype == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.ctx.device.type, dtype=_DTYPES[self.dtype])
+
+    def forward(self, input_ids: torch.Tensor, last_micro: bool) -> torch.Tensor:
+        if self.model is not self.inner:  # DDP: all-reduce gradients only on the last micro-batch
+            self.model.require_backward_grad_sync = last_micro
+        with self._autocast():
+            return self.model(input_ids=input_ids, labels=input_ids).loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss = loss / self.spec.grad_accum
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def optimizer_step(self) -> None:
+        if self.scaler is None:
+            return super().optimizer_step()
+        self.scaler.unscale_(self.optimizer)
+        self._clip()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def save(self, directory: str) -> None:
+        if self.ctx.is_main:
+            torch.save(self.inner.state_dict(), os.path.join(directory, "model.pt"))
+            torch.save(self.optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
+            torch.save(self.scheduler.state_dict(), os.path.join(directory, "scheduler.pt"))
+            if self.scaler is not None:
+                torch.save(self.scaler.state_dict(), os.path.join(directory, "scaler.pt"))
+
+    def load(self, directory: str) -> None:
+        device = self.ctx.device
+        self.inner.load_state_dict(_weights_only_load(os.path.join(directory, "model.pt"), device))
+        self.optimizer.load_state_dict(_weights_only_load(os.path.join(directory, "optimizer.pt"), device))
+        self.scheduler.load_state_dict(_weights_only_load(os.path.join(directory, "scheduler.pt"), "cpu"))
+        if self.scaler is not None:
+            self.scaler.load_state_dict(_weights_only_load(os.path.join(directory, "scaler.pt"), "cpu"))
+
+
+def _fsdp_api():
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch 2.4/2.5 kept FSDP2 under _composable
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    return fully_shard, MixedPrecisionPolicy
+
+
+class FSDPStrategy(_TorchOptimized):
+    """FSDP2: each decoder layer is its own unit, the root unit holds embeddings, final norm and lm_head.
+
+    Keeping lm_head in the root unit means its weight is gathered for the whole root
+    forward, so a fused loss computed inside the causal LM's forward sees it whole.
+    """
+
+    name = "fsdp"
+    needs_process_group = True
+
+    def setup(self, model: torch.nn.Module) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        fully_shard, MixedPrecisionPolicy = _fsdp_api()
+        mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
+        kwargs: Dict = {"mesh": mesh}
+        if self.dtype != "fp32":
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=_DTYPES[self.dtype], reduce_dtype=torch.float32)
+        layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+        layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+        if not layers:
+            raise ValueError(
+                f"strategy='fsdp': cannot find the decoder layers of {type(model).__name__} "
+                f"(its _no_split_modules is {sorted(layer_classes)})"
+            )
+        for layer in layers:
+            fully_shard(layer, **kwargs)
+        fully_shard(model, **kwargs)
+        self.model = self.inner = model
+        self._build_optimizer()
+
+    def forward(self, input_ids: torch.Tensor, last_micro: bool) -> torch.Tensor:
+        self.model.set_requires_gradient_sync(last_micro)
+        return self.model(input_ids=input_ids, labels=input_ids).loss
+
+    def save(self, directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(directory, "dcp"))
+        if self.ctx.is_main:
+            torch.save(self.scheduler.state_dict(), os.path.join(directory, "scheduler.pt"))
+
+    def load(self, directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        dcp.load(state, checkpoint_id=os.path.join(directory, "dcp"))
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(_weights_only_load(os.path.join(directory, "scheduler.pt"), "cpu"))
+
+
+def import_deepspeed():
+    try:
+        import deepspeed
+    except ImportError as err:
+        raise RuntimeError(
+            "strategy='deepspeed' needs DeepSpeed, an optional extra: pip install 'fuseforge[deepspeed]' "
+            "(DS_BUILD_OPS=0 skips compiling its CUDA ops at install time)"
+        ) from err
+    return deepspeed
+
+
+def deepspeed_config(spec: TrainSpec, world_size: int, device: torch.device) -> Dict:
+    """The DeepSpeed config generated from the spec (no config file to keep in sync)."""
+    dtype = compute_dtype(spec, device)
+    zero: Dict = {"stage": spec.zero_stage, "contiguous_gradients": True, "overlap_comm": device.type == "cuda"}
+    if spec.offload:
+        pin = device.type == "cuda"
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        if spec.zero_stage == 3:
+            zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    config: Dict = {
+        "train_micro_batch_size_per_gpu": spec.batch_size,
+        "gradient_accumulation_steps": spec.grad_accum,
+        "train_batch_size": spec.batch_size * spec.grad_accum * world_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "zero_allow_untested_optimizer": True,
+        # our torch AdamW is also used with CPU offload (DeepSpeedCPUAdam is chosen on GPU)
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**62,
+        "wall_clock_breakdown": False,
+    }
+    if spec.grad_clip > 0:
+        config["gradient_clipping"] = spec.grad_clip
+    return config
+
+
+class DeepSpeedStrategy(Strategy):
+    """DeepSpeed ZeRO stage 1-3 through deepspeed.initialize, config from `deepspeed_config`.
+
+    Under ZeRO-3 with the kernels on, lm_head.weight is registered as an external
+    parameter of the root module, so ZeRO gathers it for the root forward/backward
+    where the fused loss reads it (it is otherwise gathered only for lm_head.forward,
+    which the fused loss never calls).
+    """
+
+    name = "deepspeed"
+    needs_process_group = True
+
+    def setup(self, model: torch.nn.Module) -> None:
+        deepspeed = import_deepspeed()
+        spec = self.spec
+        if spec.zero_stage == 3 and spec.kernels:
+            deepspeed.zero.register_external_parameter(model, model.get_output_embeddings().weight)
+        use_cpu_adam = spec.offload and self.ctx.device.type == "cuda"
+
+        def make_optimizer(groups):
+            if use_cpu_adam:
+                from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+                return DeepSpeedCPUAdam(groups, lr=spec.lr, betas=optim.BETAS, eps=optim.EPS, adamw_mode=True)
+            return optim.adamw(groups, spec.lr)
+
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model,
+            model_parameters=optim.param_groups(model.named_parameters(), spec.weight_decay),
+            optimizer=make_optimizer,
+            lr_scheduler=lambda opt: optim.scheduler(opt, spec.warmup_steps, spec.steps),
+            config=deepspeed_config(spec, self.ctx.world_size, self.ctx.device),
+            dist_init_required=False,
+        )
+        self.model = self.engine
+        self.inner = self.engine.module
+
+    def forward(self, input_ids: torch.Tensor, last_micro: bool) -> torch.Tensor:
+        return self.engine(input_ids=input_ids, labels=input_ids).loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # DeepSpeed scales by 1/gradient_accumulation_steps and steps only at the boundary
+        self.engine.backward(loss)
+        self.engine.step()
+
+    def optimizer_step(self) -> None:
+        """Nothing: engine.step() after the last micro-batch's backward applied the update."""
+
+    def discard_step(self) -> None:
+        """Nothing: the skip policy runs no backward at all under DeepSpeed (grad_accum is 1)."""
+
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def save(self, directory: str) -> None:
+        self.engine.save_checkpoint(os.path.join(directory, "deepspeed"), tag="state", save_latest=False)
+
+    def load(self, directory: str) -> None:
+        path, _ = self.engine.load_checkpoint(
+            os.path.join(directory, "deepspeed"), tag="state",
+            load_optimizer_states=True, load_lr_scheduler_states=True,
+        )
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}/deepspeed")
+
+
+_BY_NAME = {cls.name: cls for cls in (DDPStrategy, FSDPStrategy, DeepSpeedStrategy)}
+
+
+def strategy_class(name: str):
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"TrainSpec.strategy: unknown strategy {name!r}; choose one of {list(STRATEGIES)}") from None
+
+
+def make_strategy(spec: TrainSpec, ctx: DistContext, model: torch.nn.Module,
+                  guard_lm_head: Optional[bool] = None) -> Strategy:
+    """Wrap `model` per spec.strategy; with the kernels on, guard the lm_head weight the fused loss reads."""
+    strategy = strategy_class(spec.strategy)(spec, ctx)
+    strategy.setup(model)
+    if spec.kernels if guard_lm_head is None else guard_lm_head:
+        install_lm_head_guard(strategy.inner)
+    return strategy

@@ -1,0 +1,84 @@
+"""TrainSpec checks: every bad value is rejected before any process group or model exists.
+
+Errors name the field (``TrainSpec.<field>``) and the allowed values, so a typo in a
+Flyte input or a CLI flag fails in seconds instead of after a cluster job starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import typing
+
+from fuseforge_flyte.training.data import BUILTIN_TEXT, SYNTHETIC
+from fuseforge_flyte.training.models import is_known_model, unknown_model_message
+
+CHOICES = {
+    "strategy": ("ddp", "fsdp", "deepspeed"),
+    "dtype": ("fp32", "bf16", "fp16"),
+    "nonfinite_policy": ("raise", "skip"),
+    "zero_stage": (1, 2, 3),
+}
+POSITIVE = ("steps", "batch_size", "grad_accum", "keep_last", "log_every")
+NON_NEGATIVE = ("warmup_steps", "checkpoint_every", "weight_decay", "grad_clip", "seed")
+
+
+def _check_types(spec) -> None:
+    hints = typing.get_type_hints(type(spec))
+    for field in dataclasses.fields(spec):
+        value = getattr(spec, field.name)
+        expected = hints[field.name]
+        if typing.get_origin(expected) is typing.Union:  # Optional[str]
+            if value is None:
+                continue
+            expected = next(a for a in typing.get_args(expected) if a is not type(None))
+        ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise TypeError(f"TrainSpec.{field.name} must be {expected.__name__}, got {value!r}")
+
+
+def validate_spec(spec) -> None:
+    """Raise ValueError/TypeError on the first invalid TrainSpec field."""
+    _check_types(spec)
+    for name in POSITIVE:
+        if getattr(spec, name) < 1:
+            raise ValueError(f"TrainSpec.{name} must be >= 1, got {getattr(spec, name)}")
+    for name in NON_NEGATIVE:
+        value = getattr(spec, name)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"TrainSpec.{name} must be a finite value >= 0, got {value}")
+    if spec.seq_len < 2:
+        raise ValueError(f"TrainSpec.seq_len must be >= 2 (next-token targets need two tokens), got {spec.seq_len}")
+    if not math.isfinite(spec.lr) or spec.lr <= 0:
+        raise ValueError(f"TrainSpec.lr must be a finite value > 0, got {spec.lr}")
+    for name, allowed in CHOICES.items():
+        if getattr(spec, name) not in allowed:
+            raise ValueError(f"TrainSpec.{name}: {getattr(spec, name)!r} is not one of {list(allowed)}")
+    if not spec.model or not is_known_model(spec.model):
+        raise ValueError(unknown_model_message(spec.model))
+    _check_dataset(spec.dataset)
+    if spec.checkpoint_every > 0 and not spec.checkpoint_dir:
+        raise ValueError("TrainSpec.checkpoint_every > 0 needs TrainSpec.checkpoint_dir")
+    if spec.offload and spec.strategy != "deepspeed":
+        raise ValueError(f"TrainSpec.offload applies to strategy='deepspeed' only, got strategy={spec.strategy!r}")
+    if spec.strategy == "fsdp" and spec.dtype == "fp16":
+        raise ValueError("TrainSpec.dtype='fp16' is not supported with strategy='fsdp' (no loss scaler): use 'bf16'")
+    if spec.strategy == "deepspeed" and spec.nonfinite_policy == "skip" and spec.grad_accum != 1:
+        raise ValueError(
+            "TrainSpec.nonfinite_policy='skip' with strategy='deepspeed' needs grad_accum=1 "
+            "(DeepSpeed owns gradient accumulation, so a step cannot be dropped half-way)"
+        )
+
+
+def _check_dataset(dataset: str) -> None:
+    if dataset in (SYNTHETIC, BUILTIN_TEXT):
+        return
+    if dataset.startswith("builtin:"):
+        raise ValueError(f"TrainSpec.dataset: unknown built-in dataset {dataset!r}; use {SYNTHETIC!r} or {BUILTIN_TEXT!r}")
+    if not dataset.endswith((".txt", ".jsonl")):
+        raise ValueError(f"TrainSpec.dataset: {dataset!r} must be a .txt or .jsonl file (or a builtin: dataset)")
+    if "://" not in dataset and not os.path.isfile(dataset):
+        raise ValueError(f"TrainSpec.dataset: dataset file not found: {dataset!r}")
