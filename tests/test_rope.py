@@ -203,7 +203,7 @@ def _valid(device):
         (lambda a: dict(a, k=a["k"].double()), TypeError, "k has dtype"),
         (lambda a: dict(a, k=a["k"][:1]), ValueError, "must agree in batch"),
         (lambda a: dict(a, k=a["k"][..., :32]), ValueError, "must agree in batch, seq and head_dim"),
-        (lambda a: dict(a, k=torch.randn(2, 3, 5, 64, device=a["q"].device)), ValueError, "k's 3 heads must divide q's 4"),
+        (lambda a: dict(a, k=a["q"][:, :3]), ValueError, "k's 3 heads must divide q's 4"),
         (lambda a: dict(a, sin=a["sin"][..., :32]), ValueError, "cos .* and sin .* must have the same shape"),
         (lambda a: dict(a, cos=a["cos"].expand(3, -1, -1), sin=a["sin"].expand(3, -1, -1)), ValueError, "batch=2"),
         (lambda a: dict(a, cos=a["cos"][:, :4], sin=a["sin"][:, :4]), ValueError, "seq=5"),

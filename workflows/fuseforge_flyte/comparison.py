@@ -46,7 +46,8 @@ def compare_metrics(with_kernels: TrainMetrics, without_kernels: TrainMetrics) -
     p50 = _positive(with_kernels.step_time_p50_s, "with_kernels.step_time_p50_s")
     base_p50 = _positive(without_kernels.step_time_p50_s, "without_kernels.step_time_p50_s")
 
-    pairs = list(zip(with_kernels.loss_curve, without_kernels.loss_curve))
+    # Steps skipped for a non-finite loss are NaN in the curves: compare the steps both runs took.
+    pairs = [(a, b) for a, b in zip(with_kernels.loss_curve, without_kernels.loss_curve) if math.isfinite(a - b)]
     return Comparison(
         throughput_gain_pct=(tps / base_tps - 1.0) * 100.0,
         memory_reduction_pct=(1.0 - mem / base_mem) * 100.0,

@@ -65,6 +65,7 @@ def _describe_run(m: TrainMetrics) -> str:
 def training_deck_html(m: TrainMetrics) -> str:
     """Metrics table and loss / tokens/s / memory per step for one run."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(15, 3.6))
     panels = (
@@ -76,6 +77,7 @@ def training_deck_html(m: TrainMetrics) -> str:
         xs, xlabel = _steps_axis(curve, m.steps)
         ax.plot(xs, list(curve), marker="." if len(xs) <= 50 else None)
         ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     return (
         f"<h3>{html.escape(_describe_run(m))}</h3>"
@@ -94,6 +96,7 @@ def _change(new: float, old: float, lower_is_better: bool = False) -> str:
 def comparison_deck_html(c: Comparison) -> str:
     """Side-by-side table and bar plots of the same run with and without the kernels."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     w, wo = c.with_kernels, c.without_kernels
     headline = (
@@ -123,13 +126,14 @@ def comparison_deck_html(c: Comparison) -> str:
         ("step time p50 (ms)", wo.step_time_p50_s * 1e3, w.step_time_p50_s * 1e3),
     )
     for ax, (title, base, fused) in zip(axes, bars):
-        ax.bar(labels, [base, fused], color=colors)
+        ax.bar_label(ax.bar(labels, [base, fused], color=colors), fmt="%.4g")
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     for metrics, label, color in ((wo, "without kernels", colors[0]), (w, "with kernels", colors[1])):
         xs, xlabel = _steps_axis(metrics.loss_curve, metrics.steps)
         axes[3].plot(xs, list(metrics.loss_curve), label=label, color=color)
     axes[3].set(title="loss", xlabel=xlabel)
+    axes[3].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[3].legend()
     return (
         f"<h3>{html.escape(_describe_run(w).rsplit(' · ', 1)[0])}: {html.escape(headline)}</h3>"

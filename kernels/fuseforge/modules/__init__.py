@@ -3,11 +3,12 @@
 from fuseforge.modules.distill import FusedLinearJSDLoss, JSDLoss, KLDivLoss
 from fuseforge.modules.glu import GeGLUMLP, SwiGLUMLP
 from fuseforge.modules.losses import CrossEntropyLoss, FusedLinearCrossEntropyLoss
-from fuseforge.modules.norms import LayerNorm, RMSNorm
+from fuseforge.modules.norms import FusedAddRMSNorm, LayerNorm, RMSNorm
 
 __all__ = [
     "CrossEntropyLoss",
     "FusedLinearCrossEntropyLoss",
+    "FusedAddRMSNorm",
     "FusedLinearJSDLoss",
     "GeGLUMLP",
     "JSDLoss",

@@ -307,6 +307,8 @@ def fused_linear_cross_entropy(
     check_tensor("weight", weight, ndim=2, dtypes=TRAINING_DTYPES)
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=TRAINING_DTYPES)
+    check_same_device(hidden=hidden, weight=weight, bias=bias, target=target)
+    check_device_supported("hidden", hidden)
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     n_vocab, n_hidden = weight.shape
     if n_vocab == 0:
@@ -323,8 +325,6 @@ def fused_linear_cross_entropy(
     except TypeError as err:
         raise TypeError(f"{err}; cast them to one dtype or run under torch.autocast") from None
     check_target(target, hidden.shape[:-1], "hidden.shape[:-1]")
-    check_same_device(hidden=hidden, weight=weight, bias=bias, target=target)
-    check_device_supported("hidden", hidden)
     chunk = _check_chunk_size(chunk_size, n_vocab, hidden.element_size())
     if num_items_in_batch is not None and reduction != "mean":
         raise ValueError(f"num_items_in_batch only applies to reduction='mean', got reduction={reduction!r}")

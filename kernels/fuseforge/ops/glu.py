@@ -203,9 +203,9 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, activation: int, inplace_backward
     shares_storage = gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
     inplace_backward = bool(inplace_backward)
     reusable = inplace_backward and not shares_storage
-    return _GLUFunction.apply(
-        gate, up, activation, inplace_backward, reusable and gate.grad_fn is not None, reusable and up.grad_fn is not None
-    )
+    gate_reusable = reusable and gate.grad_fn is not None
+    up_reusable = reusable and up.grad_fn is not None
+    return _GLUFunction.apply(gate, up, activation, inplace_backward, gate_reusable, up_reusable)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = True) -> torch.Tensor:

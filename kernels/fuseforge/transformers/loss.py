@@ -1,0 +1,201 @@
+"""The causal-LM loss through fused linear cross-entropy, without materialising logits.
+
+We do not re-implement the model's forward (its signature and outputs differ across
+transformers versions and families). Instead the patched forward calls the original
+one with `labels=None` while a loss request is pending, and the patched `lm_head`
+answers that request: it receives exactly the hidden states the original would project
+(after `logits_to_keep` slicing), computes the loss from them and its own weight/bias
+with `fused_linear_cross_entropy`, and hands back an empty placeholder instead of
+[tokens, vocab] logits. The request lives in a context variable, so concurrent
+forwards in other threads are not affected.
+
+The loss equals transformers' `ForCausalLMLoss`: labels shifted left by one and padded
+with `ignore_index` (or `shift_labels` as given), mean over non-ignored tokens, or
+sum / `num_items_in_batch` when the Trainer passes it for gradient accumulation;
+Gemma's final-logit softcapping is applied inside the kernel; Mixtral's router
+auxiliary loss is added as its forward does. The returned output has `logits=None`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fuseforge.functional import cross_entropy, fused_linear_cross_entropy
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """Per-family facts the fused forward needs (see families.Family)."""
+
+    logit_softcap_attr: str | None = None
+    router_aux_loss: bool = False
+
+
+@dataclass
+class _LossRequest:
+    head: nn.Module
+    labels: torch.Tensor | None
+    shift_labels: torch.Tensor | None
+    ignore_index: int
+    num_items_in_batch: torch.Tensor | int | None
+    softcap: float | None
+    loss: torch.Tensor | None = None
+
+
+_PENDING: contextvars.ContextVar[_LossRequest | None] = contextvars.ContextVar("fuseforge_pending_loss", default=None)
+
+
+def shifted_targets(
+    labels: torch.Tensor | None, shift_labels: torch.Tensor | None, ignore_index: int
+) -> torch.Tensor:
+    """Next-token targets, flattened, as transformers' ForCausalLMLoss builds them."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return shift_labels.reshape(-1)
+
+
+def _divide(loss: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def _loss_from_hidden(hidden: torch.Tensor, head: nn.Linear, request: _LossRequest) -> torch.Tensor:
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    targets = shifted_targets(request.labels, request.shift_labels, request.ignore_index).to(rows.device)
+    if targets.numel() != rows.shape[0]:
+        given = request.labels if request.shift_labels is None else request.shift_labels
+        raise ValueError(
+            f"labels of shape {tuple(given.shape)} give {targets.numel()} next-token targets but the model "
+            f"kept {rows.shape[0]} positions for the head (logits_to_keep): pass labels for the kept "
+            "positions only, or logits_to_keep=0"
+        )
+    # Under torch.autocast the op casts to the autocast dtype itself, as nn.Linear would.
+    return fused_linear_cross_entropy(
+        rows,
+        head.weight,
+        targets,
+        bias=head.bias,
+        ignore_index=request.ignore_index,
+        softcap=request.softcap,
+        num_items_in_batch=request.num_items_in_batch,
+    )
+
+
+class FusedLossHeadMixin:
+    """lm_head that answers a pending loss request instead of computing logits."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
+        request = _PENDING.get()
+        if request is None or request.head is not self or request.loss is not None:
+            return super().forward(input)
+        request.loss = _loss_from_hidden(input, self, request)
+        return input.new_empty((*input.shape[:-1], 0))  # placeholder "logits": no [tokens, vocab] tensor
+
+
+def causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """Drop-in for transformers' ForCausalLMLoss (same arguments) on fuseforge's cross-entropy kernel."""
+    targets = shifted_targets(labels, shift_labels, ignore_index).to(logits.device)
+    logits = logits.float().reshape(-1, vocab_size)  # fp32 loss, as transformers upcasts
+    if num_items_in_batch is None:
+        return cross_entropy(logits, targets, ignore_index=ignore_index, reduction="mean").float()
+    loss = cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum").float()
+    return _divide(loss, num_items_in_batch)
+
+
+def _is_stock_loss(loss_function) -> bool:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return loss_function is ForCausalLMLoss or loss_function is causal_lm_loss
+
+
+@functools.lru_cache(maxsize=None)
+def _labels_position(original) -> int | None:
+    """Index of `labels` among the forward's positional parameters (after self)."""
+    params = list(inspect.signature(original).parameters)
+    return params.index("labels") - 1 if "labels" in params else None
+
+
+def _fused_forward(self, original, args: tuple, kwargs: dict):
+    skip_logits = kwargs.pop("skip_logits", None)
+    position = _labels_position(original)
+    positional_labels = position is not None and len(args) > position
+    labels = args[position] if positional_labels else kwargs.get("labels")
+    shift_labels = kwargs.get("shift_labels")
+    wants_loss = labels is not None or shift_labels is not None
+    if not wants_loss or not (self.training if skip_logits is None else skip_logits):
+        return original(self, *args, **kwargs)
+    if not _is_stock_loss(self.loss_function):
+        warnings.warn(
+            f"fuseforge: {type(self).__name__} has a custom loss_function; computing logits and using it "
+            "instead of fused linear cross-entropy",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return original(self, *args, **kwargs)
+
+    spec: LossSpec = self._fuseforge_loss
+    return_dict = kwargs.pop("return_dict", None)
+    if return_dict is None:
+        return_dict = getattr(self.config, "return_dict", True)
+    if positional_labels:
+        args = args[:position] + (None,) + args[position + 1 :]
+    else:
+        kwargs["labels"] = None
+    softcap = getattr(self.config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
+    request = _LossRequest(
+        head=self.lm_head,
+        labels=labels,
+        shift_labels=shift_labels,
+        ignore_index=kwargs.get("ignore_index", -100),
+        num_items_in_batch=kwargs.get("num_items_in_batch"),
+        softcap=softcap,
+    )
+    token = _PENDING.set(request)
+    try:
+        output = original(self, *args, return_dict=True, **kwargs)
+    finally:
+        _PENDING.reset(token)
+    if request.loss is None:
+        raise RuntimeError(
+            f"fuseforge: {type(self).__name__}.forward did not call its lm_head; cannot compute the fused loss"
+        )
+    loss = request.loss
+    aux_loss = output.get("aux_loss") if spec.router_aux_loss else None
+    if aux_loss is not None:
+        loss = loss + self.router_aux_loss_coef * aux_loss.to(loss.device)
+    output = type(output)(**{**dict(output.items()), "loss": loss, "logits": None})
+    return output if return_dict else output.to_tuple()
+
+
+@functools.lru_cache(maxsize=None)
+def fused_forward_for(cls: type):
+    """The patched forward for a causal-LM class, with the original's signature and docs.
+
+    Installed per instance (as a bound method), so `inspect.signature(model.forward)`,
+    which Trainer uses to pick dataset columns, still shows the original parameters.
+    """
+    original = cls.forward
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        return _fused_forward(self, original, args, kwargs)
+
+    forward._fuseforge_fused_forward = True
+    return forward

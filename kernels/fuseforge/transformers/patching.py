@@ -1,0 +1,348 @@
+"""apply_kernels / unpatch / patched: the one-line patching of Hugging Face models.
+
+An instance is patched in place: each recognised module's class is swapped for a
+fused subclass (weights untouched), the causal-LM head gets the fused-loss forward
+as an instance attribute, and everything done is recorded on the model so that
+`unpatch` can undo exactly that. A class is patched by wrapping its `__init__`, so
+every instance built afterwards (`from_pretrained`, `from_config`, Trainer's
+`model_init`) is patched at construction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+import warnings
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from fuseforge.transformers import rope as rope_patch
+from fuseforge.transformers._swap import is_fused, restore, swap
+from fuseforge.transformers.families import FAMILIES, Family, family_for_model_type
+from fuseforge.transformers.layers import plan
+from fuseforge.transformers.loss import FusedLossHeadMixin, LossSpec, causal_lm_loss, fused_forward_for
+from fuseforge.transformers.report import KERNEL_FLAGS, PatchReport
+
+DEFAULT_FLAGS = dict(
+    rms_norm=True,
+    rope=True,
+    swiglu=True,
+    fused_linear_cross_entropy=True,
+    cross_entropy=False,
+    layer_norm=True,
+)
+
+_STATE_ATTR = "_fuseforge_state"
+_CLASS_ATTR = "_fuseforge_class_patch"
+_LOSS_ATTR = "_fuseforge_loss"
+
+
+@dataclass
+class _State:
+    """Everything a patch changed on one model, for unpatch."""
+
+    flags: dict
+    report: PatchReport
+    swapped: list = field(default_factory=list)  # modules whose class we swapped
+    rope_users: list = field(default_factory=list)  # (attention module, modeling module name)
+    forwards: list = field(default_factory=list)  # causal-LM modules given the fused forward
+    loss_functions: list = field(default_factory=list)  # (module, previous _loss_function or _MISSING)
+
+
+_MISSING = object()
+
+
+def _check_flags(flags: dict) -> dict:
+    merged = dict(DEFAULT_FLAGS)
+    for name, value in flags.items():
+        if name not in DEFAULT_FLAGS:
+            raise TypeError(f"unknown kernel flag {name!r}; expected one of {', '.join(KERNEL_FLAGS)}")
+        if not isinstance(value, bool):
+            raise TypeError(f"kernel flag {name} must be a bool, got {type(value).__name__}")
+        merged[name] = value
+    return merged
+
+
+def _model_type(model_or_class) -> str | None:
+    config = getattr(model_or_class, "config", None)
+    if config is None or isinstance(model_or_class, type):
+        config = getattr(model_or_class, "config_class", None)
+    return getattr(config, "model_type", None) or None
+
+
+# --- instances ---------------------------------------------------------------------------------
+
+
+def _patch_leaves(model: nn.Module, flags: dict, state: _State) -> None:
+    report = state.report
+    for module in model.modules():
+        if is_fused(module):
+            continue
+        decision = plan(module)
+        if decision is None or not flags[decision.kernel]:
+            continue
+        if decision.reason is not None:
+            report.add_skipped(decision.kernel, decision.reason)
+        if decision.mixin is None:
+            continue
+        if "forward" in module.__dict__:
+            report.add_skipped(
+                decision.kernel, f"{type(module).__name__}: forward overridden on the instance (e.g. by hooks)"
+            )
+            continue
+        swap(module, decision.mixin)
+        state.swapped.append(module)
+        report.add_patched(decision.kernel, decision.label)
+
+
+def _patch_rope(model: nn.Module, state: _State) -> None:
+    report = state.report
+    for attention, module_name in list(rope_patch.attention_candidates(model)):
+        reason = rope_patch.check_module(module_name)
+        if reason is not None or "forward" in attention.__dict__:
+            report.add_skipped("rope", reason or f"{type(attention).__name__}: forward overridden on the instance")
+            continue
+        name = type(attention).__name__
+        swap(attention, rope_patch.FusedRoPEAttentionMixin)
+        if not rope_patch.register(attention, module_name):
+            restore(attention)
+            report.add_skipped("rope", f"{module_name}.{rope_patch.GLOBAL_NAME} could not be replaced")
+            continue
+        state.swapped.append(attention)
+        state.rope_users.append((attention, module_name))
+        report.add_patched("rope", f"{name} ({module_name.rsplit('.', 1)[-1]}.{rope_patch.GLOBAL_NAME})")
+
+
+def _causal_lms(model: nn.Module, family: Family | None) -> list[nn.Module]:
+    cls = family.causal_lm_class() if family else None
+    return [m for m in model.modules() if cls is not None and isinstance(m, cls)]
+
+
+def _patch_losses(model: nn.Module, family: Family | None, flags: dict, state: _State) -> None:
+    report = state.report
+    wanted = [k for k in ("fused_linear_cross_entropy", "cross_entropy") if flags[k]]
+    if not wanted:
+        return
+    if family is None:
+        for kernel in wanted:
+            report.add_skipped(
+                kernel, f"model type {report.model_type!r} is not a supported family; its loss is left as is"
+            )
+        return
+    heads = _causal_lms(model, family)
+    if not heads:
+        for kernel in wanted:
+            report.add_skipped(kernel, f"no {family.causal_lm} in this model; its loss is left as is")
+        return
+    for lm in heads:
+        name = type(lm).__name__
+        if flags["cross_entropy"]:
+            state.loss_functions.append((lm, lm.__dict__.get("_loss_function", _MISSING)))
+            lm.loss_function = causal_lm_loss
+            report.add_patched("cross_entropy", f"{name}.loss_function")
+        if flags["fused_linear_cross_entropy"]:
+            head = getattr(lm, "lm_head", None)
+            if type(head) is not nn.Linear:
+                report.add_skipped(
+                    "fused_linear_cross_entropy",
+                    f"{name}.lm_head is {type(head).__name__}, not nn.Linear (e.g. wrapped by an adapter)",
+                )
+                continue
+            if "forward" in lm.__dict__:
+                report.add_skipped("fused_linear_cross_entropy", f"{name}: forward overridden on the instance")
+                continue
+            setattr(lm, _LOSS_ATTR, LossSpec(family.logit_softcap_attr, family.router_aux_loss))
+            lm.forward = types.MethodType(fused_forward_for(type(lm)), lm)
+            swap(head, FusedLossHeadMixin)
+            state.swapped.append(head)
+            state.forwards.append(lm)
+            report.add_patched("fused_linear_cross_entropy", f"{name} (lm_head)")
+
+
+def _patch_instance(model: nn.Module, flags: dict) -> PatchReport:
+    model_type = _model_type(model)
+    family = family_for_model_type(model_type)
+    report = PatchReport(
+        target=type(model).__name__, model_type=model_type, family=family and family.name, flags=dict(flags)
+    )
+    state = _State(flags=dict(flags), report=report)
+    try:
+        _patch_leaves(model, flags, state)
+        if flags["rope"]:
+            _patch_rope(model, state)
+        _patch_losses(model, family, flags, state)
+    except BaseException:
+        _undo(state)
+        raise
+    setattr(model, _STATE_ATTR, state)
+    if report.needs_warning():
+        warnings.warn(report.summary(), UserWarning, stacklevel=3)
+    return report
+
+
+def _undo(state: _State) -> None:
+    for lm, previous in state.loss_functions:
+        if previous is _MISSING:
+            lm.__dict__.pop("_loss_function", None)
+        else:
+            lm._loss_function = previous
+    for lm in state.forwards:
+        forward = lm.__dict__.get("forward")
+        if getattr(forward, "_fuseforge_fused_forward", False):
+            del lm.forward
+        lm.__dict__.pop(_LOSS_ATTR, None)
+    for module in state.swapped:
+        restore(module)
+    for attention, module_name in state.rope_users:
+        rope_patch.unregister(attention, module_name)
+
+
+# --- classes -----------------------------------------------------------------------------------
+
+
+@dataclass
+class _ClassPatch:
+    original_init: object  # the class's own __init__, or _MISSING when it inherited one
+    flags: dict
+    report: PatchReport
+
+
+def _patch_class(cls: type, flags: dict) -> PatchReport:
+    existing = cls.__dict__.get(_CLASS_ATTR)
+    if existing is not None:
+        existing.flags.clear()
+        existing.flags.update(flags)
+        existing.report.flags = dict(flags)
+        return existing.report
+    model_type = _model_type(cls)
+    family = family_for_model_type(model_type)
+    report = PatchReport(
+        target=f"class {cls.__name__}", model_type=model_type, family=family and family.name, flags=dict(flags)
+    )
+    report.notes.append("instances created from now on are patched at construction (see get_patch_report)")
+    inherited_init = cls.__init__
+    patch = _ClassPatch(cls.__dict__.get("__init__", _MISSING), dict(flags), report)
+
+    @functools.wraps(inherited_init)
+    def __init__(self, *args, **kwargs):
+        inherited_init(self, *args, **kwargs)
+        apply_kernels(self, **patch.flags)
+
+    cls.__init__ = __init__
+    setattr(cls, _CLASS_ATTR, patch)
+    if family is None:
+        warnings.warn(report.summary() + "\n  (not a supported family: only recognised modules will be fused)",
+                      UserWarning, stacklevel=3)
+    return report
+
+
+def _unpatch_class(cls: type) -> bool:
+    patch = cls.__dict__.get(_CLASS_ATTR)
+    if patch is None:
+        return False
+    if patch.original_init is _MISSING:
+        del cls.__init__
+    else:
+        cls.__init__ = patch.original_init
+    delattr(cls, _CLASS_ATTR)
+    return True
+
+
+# --- public API --------------------------------------------------------------------------------
+
+
+def apply_kernels(model_or_class, **flags) -> PatchReport:
+    """Swap fuseforge's fused kernels into a Hugging Face model (instance) or model class.
+
+    Flags (all bool): rms_norm, layer_norm, rope, swiglu (gated MLPs: SwiGLU and GeGLU,
+    MoE experts), fused_linear_cross_entropy (training loss without logits),
+    cross_entropy (the loss when logits are computed); defaults in DEFAULT_FLAGS.
+
+    On an instance, already-loaded weights are kept: modules change class, not
+    parameters. Patching again with the same flags is a no-op; with other flags the
+    previous patch is undone first. A RoPE patch swaps the family's module-global
+    `apply_rotary_pos_emb` for a dispatcher that only runs the fused kernel inside
+    patched models; `unpatch` restores it once no patched model uses it.
+
+    With fused_linear_cross_entropy, a causal LM called with `labels` (or `shift_labels`)
+    while training returns the loss with `logits=None`; in eval mode, without labels,
+    or with `skip_logits=False` logits are computed as usual (`skip_logits=True` forces
+    the fused path in eval mode).
+
+    Unknown model types are patched where modules are recognised from their code and
+    get a warning naming what was and was not patched. Returns a PatchReport.
+    """
+    flags = _check_flags(flags)
+    if isinstance(model_or_class, type):
+        if not issubclass(model_or_class, nn.Module):
+            raise TypeError(f"model_or_class must be an nn.Module or an nn.Module class, got {model_or_class!r}")
+        return _patch_class(model_or_class, flags)
+    if not isinstance(model_or_class, nn.Module):
+        raise TypeError(
+            f"model_or_class must be an nn.Module or an nn.Module class, got {type(model_or_class).__name__}"
+        )
+    state = model_or_class.__dict__.get(_STATE_ATTR)
+    if state is not None:
+        if state.flags == flags:
+            return state.report
+        unpatch(model_or_class)
+    return _patch_instance(model_or_class, flags)
+
+
+def unpatch(model_or_class) -> bool:
+    """Undo apply_kernels on an instance or class; True if there was a patch to undo."""
+    if isinstance(model_or_class, type):
+        return _unpatch_class(model_or_class)
+    state = model_or_class.__dict__.pop(_STATE_ATTR, None)
+    if state is None:
+        return False
+    _undo(state)
+    return True
+
+
+def get_patch_report(model_or_class) -> PatchReport | None:
+    """The report of the patch currently applied to a model or class, or None."""
+    holder = _CLASS_ATTR if isinstance(model_or_class, type) else _STATE_ATTR
+    state = getattr(model_or_class, "__dict__", {}).get(holder)
+    return None if state is None else state.report
+
+
+def is_patched(model_or_class) -> bool:
+    return get_patch_report(model_or_class) is not None
+
+
+@contextlib.contextmanager
+def patched(model_or_class, **flags):
+    """Patch for the duration of a `with` block, then restore what was there before."""
+    previous = get_patch_report(model_or_class)
+    previous_flags = None if previous is None else dict(previous.flags)
+    report = apply_kernels(model_or_class, **flags)
+    try:
+        yield report
+    finally:
+        unpatch(model_or_class)
+        if previous_flags is not None:
+            apply_kernels(model_or_class, **previous_flags)
+
+
+def _family_function(family: Family):
+    def apply(model_or_class, **flags) -> PatchReport:
+        model_type = _model_type(model_or_class)
+        if model_type not in family.model_types:
+            raise ValueError(
+                f"apply_kernels_to_{family.name} expects a model with config.model_type in "
+                f"{family.model_types}, got {model_type!r}; use apply_kernels for dispatch by model type"
+            )
+        return apply_kernels(model_or_class, **flags)
+
+    apply.__name__ = apply.__qualname__ = f"apply_kernels_to_{family.name}"
+    apply.__doc__ = (
+        f"apply_kernels for {family.name} models (model_type {', '.join(family.model_types)}); "
+        "raises ValueError for other model types."
+    )
+    return apply
+
+
+FAMILY_FUNCTIONS = {f"apply_kernels_to_{name}": _family_function(f) for name, f in FAMILIES.items()}
