@@ -13,15 +13,18 @@ values the umbrella hands to flyte-binary are checked as data, and Chart.lock by
 from __future__ import annotations
 
 import copy
+import fnmatch
 import json
 import os
+import re
+import shlex
 import shutil
 import subprocess
 import tarfile
 from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import kubernetes_validate
 import pytest
@@ -369,12 +372,11 @@ def test_platform_toml_describes_this_cluster(rendered):
 
 
 def test_platform_toml_loads_with_fuseforge_flyte_config(rendered):
-    config_module = pytest.importorskip(
-        "fuseforge_flyte.config", reason="fuseforge_flyte.config (the platform.toml loader) is not written yet"
-    )
+    from fuseforge_flyte.config import config_from_dict
+
     for configmap in rendered.of_kind("ConfigMap"):
         source = f"ConfigMap {configmap['metadata']['namespace']}/{configmap['metadata']['name']}"
-        config = config_module.config_from_dict(platform_toml(configmap), source)
+        config = config_from_dict(platform_toml(configmap), source)
         assert config.cluster.gpus == rendered.values["gpuPodTemplate"]["gpus"]
         assert config.cluster.pod_template_name == rendered.values["gpuPodTemplate"]["name"]
 
@@ -572,3 +574,100 @@ def test_install_notes_tell_how_to_run_and_reach_the_console(helm, umbrella):
     assert "--service-account fuseforge-training" in notes
     assert f"port-forward service/{RELEASE}-flyte-binary 8088:8088 8089:8089" in notes
     assert "fuseforge-development, fuseforge-staging, fuseforge-production" in notes
+
+
+# ----------------------------------------------------------------------------------------- the image
+
+
+DOCKERFILE = ROOT / "images" / "Dockerfile"
+# uv/pip install options that take a value (the value is not a requirement).
+PIP_OPTIONS_WITH_VALUE = {
+    "-i", "--index-url", "--extra-index-url", "--index-strategy", "-f", "--find-links", "-c",
+    "--constraint", "-p", "--python", "--target", "--prefix", "--cache-dir",
+}
+
+
+def dockerfile_instructions(path: Path) -> List[tuple]:
+    """(KEYWORD, argument text) per instruction, continuation lines joined, comments dropped."""
+    lines = [line for line in path.read_text().splitlines() if not line.lstrip().startswith("#")]
+    joined = re.sub(r"\\\n\s*", " ", "\n".join(lines))
+    return [tuple(line.strip().split(None, 1)) for line in joined.splitlines() if line.strip()]
+
+
+def excluded_from_context(path: str, dockerignore: Path) -> bool:
+    """Whether a .dockerignore leaves `path` out of the build context (last matching pattern wins)."""
+    excluded = False
+    for pattern in dockerignore.read_text().splitlines():
+        pattern = pattern.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        negated = pattern.startswith("!")
+        pattern = pattern.lstrip("!").rstrip("/")
+        if fnmatch.fnmatch(path, pattern) or fnmatch.fnmatch(path, pattern + "/*"):
+            excluded = not negated
+    return excluded
+
+
+def pip_install_arguments(command: str) -> List[List[str]]:
+    """The arguments after `pip install` in each `&&`-separated part of a RUN command."""
+    found = []
+    for part in re.split(r"&&|;", command):
+        words = shlex.split(part)
+        for i in range(len(words) - 1):
+            if words[i] == "pip" and words[i + 1] == "install":
+                found.append(words[i + 2:])
+    return found
+
+
+def test_dockerfile_installs_parseable_requirements_from_its_build_context():
+    from packaging.requirements import Requirement
+
+    assert DOCKERFILE.is_file(), "images/Dockerfile is missing"
+    dockerignore = DOCKERFILE.with_name(DOCKERFILE.name + ".dockerignore")  # BuildKit's per-Dockerfile ignore file
+    instructions = dockerfile_instructions(DOCKERFILE)
+    args = dict(
+        (arg.split("=", 1)[0], arg.split("=", 1)[1]) for kw, arg in instructions if kw == "ARG" and "=" in arg
+    )
+    copied: Dict[str, Path] = {}  # destination in the image -> source in the repository
+    requirements: List[str] = []
+    installs = 0
+    for keyword, text in instructions:
+        if keyword == "COPY" and "--from=" not in text:
+            *sources, dest = text.split()
+            for source in sources:
+                assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
+                if dockerignore.is_file():
+                    assert not excluded_from_context(source, dockerignore), f"COPY {source}: excluded by {dockerignore.name}"
+                target = dest if len(sources) == 1 and not dest.endswith("/") else f"{dest.rstrip('/')}/{Path(source).name}"
+                copied[target] = ROOT / source
+        if keyword != "RUN":
+            continue
+        command = re.sub(r"\$\{(\w+)\}", lambda m: args.get(m.group(1), m.group(0)), text)
+        command = re.sub(r"^(--\S+\s+)+", "", command)  # RUN --mount=... flags
+        for words in pip_install_arguments(command):
+            installs += 1
+            skip = False
+            for i, word in enumerate(words):
+                if skip:
+                    skip = False
+                elif word in ("-r", "--requirement"):
+                    source = copied[words[i + 1]]  # a requirements file must come from the repository
+                    requirements += [
+                        line.split("#", 1)[0].strip() for line in source.read_text().splitlines()
+                        if line.split("#", 1)[0].strip()
+                    ]
+                    skip = True
+                elif word in PIP_OPTIONS_WITH_VALUE:
+                    skip = True
+                elif word.startswith("-"):
+                    continue
+                elif word.startswith("/"):  # a local project: one the Dockerfile copied in
+                    assert any(word == dest.rstrip("/") or dest.startswith(word.rstrip("/") + "/") for dest in copied), word
+                else:
+                    requirements.append(word)
+    assert installs >= 2
+    parsed = [Requirement(line) for line in requirements]  # raises InvalidRequirement on a bad line
+    names = {req.name for req in parsed}
+    assert {"torch", "flytekit", "flytekitplugins-kfpytorch"} <= names
+    (torch,) = [req for req in parsed if req.name == "torch" and "==" in str(req.specifier)]
+    assert len(torch.specifier) == 1  # the image pins its CUDA torch exactly

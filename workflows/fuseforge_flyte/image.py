@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 import warnings
 from pathlib import Path
@@ -183,6 +184,24 @@ def render_docker_context(spec: ImageSpec, out_dir: os.PathLike | str) -> Path:
     return out / "Dockerfile"
 
 
+def check_docker(image_name: str) -> None:
+    """Fail early, and clearly, when there is no Docker to build with."""
+    advice = (
+        f"building {image_name} needs Docker with BuildKit (the `docker` command and a running daemon). "
+        "Install/start Docker, or build images/Dockerfile with another builder, push it, and set [image].tag "
+        "to the tag you pushed"
+    )
+    if shutil.which("docker") is None:
+        raise ImageBuildError(f"{advice}: no `docker` command on this machine.")
+    try:
+        probe = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise ImageBuildError(f"{advice}: `docker info` did not answer within 60 s.") from None
+    if probe.returncode != 0:
+        reason = (probe.stderr.strip() or probe.stdout.strip()).splitlines()[-1:] or ["unknown error"]
+        raise ImageBuildError(f"{advice}: the Docker daemon is not reachable ({reason[0]}).")
+
+
 class FuseforgeImageBuilder(DefaultImageBuilder):
     """flytekit's Docker builder, run from the staged sources; says clearly when Docker is missing."""
 
@@ -193,12 +212,7 @@ class FuseforgeImageBuilder(DefaultImageBuilder):
         return self.build(image_spec, push=push)
 
     def build(self, image_spec: ImageSpec, *, push: bool = True) -> Optional[str]:
-        if shutil.which("docker") is None:
-            raise ImageBuildError(
-                f"building {image_spec.image_name()} needs Docker with BuildKit (the `docker` command and a "
-                "running daemon); none was found on this machine. Install Docker, or build images/Dockerfile "
-                "with another builder and set [image].tag to the tag you pushed."
-            )
+        check_docker(image_spec.image_name())
         with _prepared(image_spec), warnings.catch_warnings():
             # tag_format is used by ImageSpec itself, not the builder; flytekit warns about it regardless.
             warnings.filterwarnings("ignore", message="The following parameters are unsupported")

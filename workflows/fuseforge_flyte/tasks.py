@@ -120,7 +120,8 @@ def pod_template(config: PlatformConfig) -> Optional[PodTemplate]:
 def training_task_options(config: PlatformConfig) -> Dict[str, Any]:
     """Keyword arguments of @task for the training task, all from platform.toml."""
     cluster = config.cluster
-    gpu = {"gpu": cluster.gpus} if cluster.gpus > 0 else {}
+    # Strings: the kubernetes client behind pod templates rejects integer quantities.
+    gpu = {"gpu": str(cluster.gpus)} if cluster.gpus > 0 else {}
     options: Dict[str, Any] = dict(
         task_config=elastic_config(config),
         container_image=training_image(config),

@@ -307,6 +307,7 @@ def fused_linear_cross_entropy(
     check_tensor("weight", weight, ndim=2, dtypes=TRAINING_DTYPES)
     if bias is not None:
         check_tensor("bias", bias, ndim=1, dtypes=TRAINING_DTYPES)
+    check_target(target, hidden.shape[:-1], "hidden.shape[:-1]")
     check_same_device(hidden=hidden, weight=weight, bias=bias, target=target)
     check_device_supported("hidden", hidden)
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
@@ -324,7 +325,6 @@ def fused_linear_cross_entropy(
         check_same_dtype(hidden=hidden, weight=weight, bias=bias)
     except TypeError as err:
         raise TypeError(f"{err}; cast them to one dtype or run under torch.autocast") from None
-    check_target(target, hidden.shape[:-1], "hidden.shape[:-1]")
     chunk = _check_chunk_size(chunk_size, n_vocab, hidden.element_size())
     if num_items_in_batch is not None and reduction != "mean":
         raise ValueError(f"num_items_in_batch only applies to reduction='mean', got reduction={reduction!r}")
@@ -332,8 +332,11 @@ def fused_linear_cross_entropy(
 
     flat_target = target.reshape(-1).to(torch.int64).contiguous()
     scale = _loss_scale(flat_target, reduction, opts.ignore_index, num_items_in_batch, hidden.device)
+    # 2-D hidden goes in as is (no view): autograd then hands our grad buffers over without copies
+    # and still clones them when a graph is retained for another backward.
+    flat_hidden = hidden if hidden.dim() == 2 else hidden.reshape(-1, n_hidden)
     loss, lse = _FusedLinearCrossEntropyFunction.apply(
-        hidden.reshape(-1, n_hidden).contiguous(),
+        flat_hidden.contiguous(),
         weight.contiguous(),
         None if bias is None else bias.contiguous(),
         flat_target,

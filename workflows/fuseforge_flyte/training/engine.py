@@ -196,6 +196,7 @@ def train(spec: TrainSpec) -> TrainMetrics:
     """Run `spec` in this worker process and return the metrics (identical on every rank)."""
     spec.validate()
     ctx = DistContext.from_env(need_group=strategy_class(spec.strategy).needs_process_group)
+    run = None
     try:
         if ctx.device.type == "cpu" and spec.dtype != "fp32" and ctx.is_main:
             log.info("CPU run: training in fp32 (dtype=%r applies on GPU)", spec.dtype)
@@ -209,4 +210,6 @@ def train(spec: TrainSpec) -> TrainMetrics:
                      metrics.tokens_per_s, 100 * metrics.mfu, metrics.peak_memory_gib)
         return metrics
     finally:
+        if run is not None:
+            run.strategy.close()
         ctx.close()

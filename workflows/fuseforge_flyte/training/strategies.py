@@ -42,9 +42,10 @@ class Strategy:
     name = ""
     needs_process_group = False
 
-    def __init__(self, spec: TrainSpec, ctx: DistContext):
+    def __init__(self, spec: TrainSpec, ctx: DistContext, fused_loss: bool):
         self.spec = spec
         self.ctx = ctx
+        self.fused_loss = fused_loss  # the loss reads lm_head.weight inside the root forward
         self.dtype = compute_dtype(spec, ctx.device)
         self.model: torch.nn.Module  # what forward is called on
         self.inner: torch.nn.Module  # the Hugging Face model inside the wrapper
@@ -73,6 +74,9 @@ class Strategy:
 
     def load(self, directory: str) -> None:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the wrapper holds beyond the process group (called before the group goes)."""
 
 
 class _TorchOptimized(Strategy):
@@ -267,7 +271,7 @@ def deepspeed_config(spec: TrainSpec, world_size: int, device: torch.device) -> 
 class DeepSpeedStrategy(Strategy):
     """DeepSpeed ZeRO stage 1-3 through deepspeed.initialize, config from `deepspeed_config`.
 
-    Under ZeRO-3 with the kernels on, lm_head.weight is registered as an external
+    Under ZeRO-3 with a fused loss (kernels on), lm_head.weight is registered as an external
     parameter of the root module, so ZeRO gathers it for the root forward/backward
     where the fused loss reads it (it is otherwise gathered only for lm_head.forward,
     which the fused loss never calls).
@@ -279,7 +283,8 @@ class DeepSpeedStrategy(Strategy):
     def setup(self, model: torch.nn.Module) -> None:
         deepspeed = import_deepspeed()
         spec = self.spec
-        if spec.zero_stage == 3 and spec.kernels:
+        os.environ.setdefault("LOCAL_RANK", str(self.ctx.local_rank))  # DeepSpeed asserts it is set
+        if spec.zero_stage == 3 and self.fused_loss:
             deepspeed.zero.register_external_parameter(model, model.get_output_embeddings().weight)
         use_cpu_adam = spec.offload and self.ctx.device.type == "cuda"
 
@@ -329,6 +334,15 @@ class DeepSpeedStrategy(Strategy):
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}/deepspeed")
 
+    def close(self) -> None:
+        """Drop the engine's hooks and DeepSpeed's cached process groups (stale once the group is destroyed)."""
+        import deepspeed.comm
+
+        self.engine.destroy()
+        if self.ctx.owns_group:
+            deepspeed.comm.destroy_process_group()
+            self.ctx.owns_group = False
+
 
 _BY_NAME = {cls.name: cls for cls in (DDPStrategy, FSDPStrategy, DeepSpeedStrategy)}
 
@@ -341,10 +355,15 @@ def strategy_class(name: str):
 
 
 def make_strategy(spec: TrainSpec, ctx: DistContext, model: torch.nn.Module,
-                  guard_lm_head: Optional[bool] = None) -> Strategy:
-    """Wrap `model` per spec.strategy; with the kernels on, guard the lm_head weight the fused loss reads."""
-    strategy = strategy_class(spec.strategy)(spec, ctx)
+                  fused_loss: Optional[bool] = None) -> Strategy:
+    """Wrap `model` per spec.strategy.
+
+    With a fused loss (default: spec.kernels) the lm_head weight is made available to
+    the root forward (ZeRO-3) and guarded against being read partitioned.
+    """
+    fused = spec.kernels if fused_loss is None else fused_loss
+    strategy = strategy_class(spec.strategy)(spec, ctx, fused)
     strategy.setup(model)
-    if spec.kernels if guard_lm_head is None else guard_lm_head:
+    if fused:
         install_lm_head_guard(strategy.inner)
     return strategy

@@ -3,8 +3,9 @@ platform.toml as the tasks see it (the [image], [cluster], [flyte], [elastic], [
 [checkpoint] tables of fuseforge_flyte.config): platformConfig.content verbatim when given,
 otherwise platformConfig.settings combined with what this chart knows about the cluster.
 Facts of this install (image, the GPU template) must agree with the resources the chart creates,
-so settings may not set them (a clear error names the value to change instead); defaults (the namespace's Flyte project and domain,
-workers per pod) only fill keys settings leave out. Input: dict "root" $ "namespace" <target>.
+so settings may not set them (an error names the value to change instead); defaults (the
+namespace's Flyte project and domain, workers per pod) only fill keys settings leave out.
+Input: dict "root" $ "namespace" <target>.
 */}}
 {{- define "platform.platformToml" -}}
 {{- $target := .namespace -}}
@@ -55,8 +56,9 @@ workers per pod) only fill keys settings leave out. Input: dict "root" $ "namesp
 {{- fail (printf "platformConfig.settings.elastic.nproc_per_node (%d) must be <= gpuPodTemplate.gpus (%d): each worker process drives one GPU" $nproc (int $tpl.gpus)) -}}
 {{- end -}}
 # platform.toml of the fuseforge cluster, rendered by the fuseforge Helm chart (release {{ .Release.Name }}).
-# Use it to register workflows for this cluster:
-#   kubectl -n {{ $target.name }} get configmap {{ .Values.platformConfig.configMapName }} -o jsonpath='{.data.platform\.toml}' > platform.toml
+# Register workflows for this cluster with it:
+#   kubectl -n {{ $target.name }} get configmap {{ .Values.platformConfig.configMapName }} -o jsonpath='{.data.platform\.toml}' > cluster.toml
+#   export FUSEFORGE_CONFIG=$PWD/cluster.toml
 # [cluster].shared_memory is empty because PodTemplate "{{ $tpl.name }}" already mounts a {{ $tpl.shmSize }} /dev/shm
 # (a second /dev/shm mount would make the pods invalid).
 {{- include "platform.toml.table" (dict "table" $config "path" "") }}

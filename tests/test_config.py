@@ -1,0 +1,221 @@
+"""platform.toml loading: the repo's file, every kind of error naming file and key, and the overrides."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fuseforge_flyte.config import (
+    CONFIG_PATH_ENV,
+    RESOLVED_CONFIG_ENV,
+    ConfigError,
+    PlatformConfig,
+    Toleration,
+    load_config,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+REQUIRED = """
+[image]
+registry = "ghcr.io/acme"
+[flyte]
+project = "ml"
+domain = "production"
+"""
+
+
+def write(tmp_path: Path, body: str, name: str = "platform.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return path
+
+
+def error_of(path: Path, env: dict | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, env=env or {})
+    return str(info.value)
+
+
+def test_repo_platform_toml_is_valid_and_equals_builtin_defaults(tmp_path, monkeypatch):
+    from_file = load_config(REPO / "platform.toml", env={})
+    monkeypatch.chdir(tmp_path)  # no ./platform.toml, no FUSEFORGE_CONFIG
+    builtin = load_config(env={})
+    assert builtin.source == "built-in defaults"
+    assert isinstance(from_file, PlatformConfig)
+    assert from_file == builtin, "platform.toml and the built-in defaults in config.py have drifted apart"
+    assert from_file.source.endswith("platform.toml")
+
+
+def test_good_file_gives_typed_values(tmp_path):
+    path = write(
+        tmp_path,
+        REQUIRED
+        + """
+        [cluster]
+        gpus = 4
+        cpu = 48
+        memory = "512Gi"
+        accelerator = "nvidia-h100"
+        node_selector = { "nvidia.com/gpu.product" = "NVIDIA-H100-80GB-HBM3" }
+        tolerations = [{ key = "dedicated", operator = "Equal", value = "ml", effect = "NoExecute", toleration_seconds = 30 }]
+        [elastic]
+        nnodes = 2
+        nproc_per_node = 4
+        [training]
+        steps = 50
+        lr = 1
+        strategy = "fsdp"
+        [checkpoint]
+        dir = "s3://bucket/ckpt"
+        every = 10
+        """,
+    )
+    config = load_config(path, env={})
+    assert config.image.registry == "ghcr.io/acme"
+    assert config.cluster.gpus == 4 and config.cluster.cpu == "48"  # integer CPU kept as a quantity string
+    assert config.cluster.tolerations == (Toleration("dedicated", "Equal", "ml", "NoExecute", 30),)
+    assert config.cluster.node_selector == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert config.elastic.nnodes == 2
+    spec = config.train_spec(seed=7)
+    assert (spec.steps, spec.lr, spec.strategy, spec.seed) == (50, 1.0, "fsdp", 7)
+    assert isinstance(spec.lr, float)
+    assert (spec.checkpoint_dir, spec.checkpoint_every) == ("s3://bucket/ckpt", 10)
+    assert load_config(path, env={}).train_spec().checkpoint_dir == "s3://bucket/ckpt"
+    assert load_config(env={}).train_spec().checkpoint_dir is None  # "" means no checkpointing
+
+
+FLYTE = '[flyte]\nproject = "ml"\ndomain = "production"\n'
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ('[cluster]\ngpus = "two"', '[cluster].gpus must be an integer >= 0, got "two"'),
+        ("[cluster]\ngpus = true", "[cluster].gpus must be an integer >= 0, got true"),
+        ("[cluster]\ngpus = -1", "[cluster].gpus must be an integer >= 0, got -1"),
+        ('[cluster]\nmemory = "lots"', '[cluster].memory must be a Kubernetes quantity such as "256Gi", got "lots"'),
+        ("[cluster]\nnode_selector = { zone = 1 }", '[cluster].node_selector must be a table of strings, got {"zone": 1}'),
+        ('[cluster]\ntolerations = [{ effect = "Never" }]', "[cluster].tolerations[0].effect must be one of"),
+        ('[elastic]\nstart_method = "forkserver"', '[elastic].start_method must be one of "spawn", "fork", got "forkserver"'),
+        ('[flyte]\ninsecure = "yes"', '[flyte].insecure must be true or false, got "yes"'),
+        ('[training]\nsteps = "many"', '[training].steps must be an integer, got "many"'),
+        ('[training]\nstrategy = "horovod"', "[training].strategy: 'horovod' is not one of"),
+        ("[checkpoint]\nevery = 5", "[checkpoint].every > 0 needs [checkpoint].dir"),
+    ],
+)
+def test_wrong_type_or_value_names_file_and_key(tmp_path, body, expected):
+    required = REQUIRED.replace(FLYTE, "") if body.startswith("[flyte]") else REQUIRED
+    path = write(tmp_path, required + body + ('\nproject = "p"\ndomain = "d"' if body.startswith("[flyte]") else ""))
+    message = error_of(path)
+    assert message.startswith(f"{path}: "), message
+    assert expected in message, message
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ('[image]\nregistry = "ghcr.io/acme"\nextras = [1]\n' + FLYTE, "[image].extras[0] must be a string, got 1"),
+        ('[image]\nregistry = "Not A Registry!"\n' + FLYTE, '[image].registry must be a container registry such as'),
+        ("cluster = 3\n" + REQUIRED, "[cluster] must be a table, got 3"),
+    ],
+)
+def test_wrong_type_in_required_sections(tmp_path, text, expected):
+    path = write(tmp_path, text)
+    message = error_of(path)
+    assert message.startswith(f"{path}: ") and expected in message, message
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ("[clustr]\ngpus = 1", 'unknown section [clustr] (known sections: image, cluster, flyte, elastic, training, checkpoint); did you mean "cluster"?'),
+        ("[cluster]\ngpu = 1", 'unknown key [cluster].gpu'),
+        ("[cluster]\ngpu = 1", 'did you mean "gpus"?'),
+        ('[[cluster.tolerations]]\nkey = "a"\nsecs = 3', "unknown key [cluster].tolerations[0].secs"),
+        ("[training]\nlearning_rate = 0.1", "unknown key [training].learning_rate"),
+    ],
+)
+def test_unknown_key_names_file_and_key(tmp_path, body, expected):
+    message = error_of(write(tmp_path, REQUIRED + body))
+    assert message.startswith(f"{tmp_path / 'platform.toml'}: "), message
+    assert expected in message, message
+
+
+@pytest.mark.parametrize(
+    "body, key",
+    [
+        ('[flyte]\nproject = "p"\ndomain = "d"', "[image].registry"),
+        ('[image]\nregistry = "ghcr.io/acme"\n[flyte]\nproject = "p"', "[flyte].domain"),
+    ],
+)
+def test_missing_required_key_names_file_and_key(tmp_path, body, key):
+    path = write(tmp_path, body)
+    message = error_of(path)
+    assert message.startswith(f"{path}: missing required key {key}"), message
+
+
+def test_cross_key_check_names_both_keys(tmp_path):
+    message = error_of(write(tmp_path, REQUIRED + "[cluster]\ngpus = 4\n[elastic]\nnproc_per_node = 8"))
+    assert "[elastic].nproc_per_node (8) must be <= [cluster].gpus (4)" in message
+
+
+def test_invalid_toml_names_file(tmp_path):
+    path = write(tmp_path, "[cluster\ngpus = 1")
+    assert error_of(path).startswith(f"{path}: invalid TOML")
+
+
+def test_env_override_is_typed_and_named_in_errors(tmp_path):
+    path = write(tmp_path, REQUIRED)
+    env = {
+        "FUSEFORGE__CLUSTER__GPUS": "4",
+        "FUSEFORGE__ELASTIC__NPROC_PER_NODE": "4",
+        "FUSEFORGE__IMAGE__PYTHON_VERSION": "3.11",  # a string key: not read as the float 3.11
+        "FUSEFORGE__CLUSTER__NODE_SELECTOR": '{ pool = "h200" }',
+        "FUSEFORGE__TRAINING__KERNELS": "false",
+    }
+    config = load_config(path, env=env)
+    assert (config.cluster.gpus, config.elastic.nproc_per_node) == (4, 4)
+    assert config.image.python_version == "3.11"
+    assert config.cluster.node_selector == {"pool": "h200"}
+    assert config.training.kernels is False
+    assert "5 override(s)" in config.source
+
+    bad = error_of(path, {"FUSEFORGE__CLUSTER__GPUS": "two"})
+    assert bad == 'environment variable FUSEFORGE__CLUSTER__GPUS: [cluster].gpus must be an integer >= 0, got "two"'
+    assert "environment variable FUSEFORGE__CLUSTER__GPU: unknown key [cluster].gpu" in error_of(path, {"FUSEFORGE__CLUSTER__GPU": "1"})
+    assert "expected FUSEFORGE__<SECTION>__<KEY>" in error_of(path, {"FUSEFORGE__GPUS": "1"})
+
+
+def test_cli_style_overrides_are_named(tmp_path):
+    path = write(tmp_path, REQUIRED)
+    assert load_config(path, env={}, overrides={"training.steps": "7"}).training.steps == 7
+    with pytest.raises(ConfigError, match=r"^--set training\.steps=x: \[training\]\.steps must be an integer"):
+        load_config(path, env={}, overrides={"training.steps": "x"})
+
+
+def test_config_file_location(tmp_path, monkeypatch):
+    other = write(tmp_path, REQUIRED + "[cluster]\ngpus = 2\n[elastic]\nnproc_per_node = 2", name="other.toml")
+    assert load_config(env={CONFIG_PATH_ENV: str(other)}).cluster.gpus == 2
+    with pytest.raises(ConfigError, match="FUSEFORGE_CONFIG=.*missing.toml: no such config file"):
+        load_config(env={CONFIG_PATH_ENV: str(tmp_path / "missing.toml")})
+
+    monkeypatch.chdir(tmp_path)
+    assert load_config(env={}).source == "built-in defaults"
+    write(tmp_path, REQUIRED + "[cluster]\ngpus = 1\n[elastic]\nnproc_per_node = 1")
+    local = load_config(env={})
+    assert (local.cluster.gpus, local.source) == (1, "platform.toml")
+
+
+def test_resolved_config_round_trips_and_wins(tmp_path):
+    original = load_config(write(tmp_path, REQUIRED + "[cluster]\ngpus = 2\n[elastic]\nnproc_per_node = 2"), env={})
+    env = {RESOLVED_CONFIG_ENV: original.to_json(), "FUSEFORGE__CLUSTER__GPUS": "8", CONFIG_PATH_ENV: "/nonexistent"}
+    restored = load_config(env=env)
+    assert restored == original  # the registered config, not the pod's file or variables
+    assert restored.source == RESOLVED_CONFIG_ENV
+    broken = json.loads(original.to_json())
+    broken["cluster"]["gpus"] = "x"
+    with pytest.raises(ConfigError, match=f"^{RESOLVED_CONFIG_ENV}: \\[cluster\\].gpus must be"):
+        load_config(env={RESOLVED_CONFIG_ENV: json.dumps(broken)})

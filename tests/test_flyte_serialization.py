@@ -1,0 +1,211 @@
+"""Offline serialization: what Flyte would register for the tasks, decoded from the task protobufs.
+
+Asserts that platform.toml reaches the registered task: elastic/PyTorchJob config, GPU requests and
+limits, accelerator, /dev/shm, node selector and tolerations, image, and the config carried to the pod.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import textwrap
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+from flyteidl.admin.task_pb2 import TaskSpec
+from flyteidl.plugins.kubeflow.pytorch_pb2 import DistributedPyTorchTrainingTask
+from flytekit import task
+from flytekit.configuration import ImageConfig, SerializationSettings
+from flytekit.tools.translator import get_serializable
+from google.protobuf.json_format import MessageToDict, ParseDict
+
+from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, load_config
+from fuseforge_flyte.tasks import (
+    DEFAULTS,
+    summarize_comparison,
+    summary_task_options,
+    train_model,
+    training_task_options,
+)
+from fuseforge_flyte.training.spec import TrainSpec
+from fuseforge_flyte.workflows import compare, train
+
+REPO = Path(__file__).resolve().parents[1]
+
+MULTI_NODE = """
+[image]
+registry = "registry.example.com/ml"
+name = "fuseforge"
+tag = "v1.2.3"
+[flyte]
+project = "llm"
+domain = "production"
+retries = 1
+[cluster]
+gpus = 8
+accelerator = "nvidia-h200"
+cpu = "96"
+memory = "1000Gi"
+shared_memory = "128Gi"
+pod_template_name = "fuseforge-gpu"
+node_selector = { "nvidia.com/gpu.product" = "NVIDIA-H200" }
+tolerations = [
+  { key = "nvidia.com/gpu", operator = "Exists", effect = "NoSchedule" },
+  { key = "dedicated", operator = "Equal", value = "training", effect = "NoExecute", toleration_seconds = 600 },
+]
+[elastic]
+nnodes = 4
+nproc_per_node = 8
+max_restarts = 3
+"""
+
+CPU_SINGLE_NODE = """
+[image]
+registry = "localhost:30000"
+[flyte]
+project = "p"
+domain = "d"
+[cluster]
+gpus = 0
+cpu = "8"
+memory = "16Gi"
+shared_memory = ""
+tolerations = []
+[elastic]
+nnodes = 1
+nproc_per_node = 4
+"""
+
+
+def config_from(tmp_path: Path, text: str):
+    path = tmp_path / "platform.toml"
+    path.write_text(textwrap.dedent(text))
+    return load_config(path, env={})
+
+
+def template_of(entity) -> dict:
+    """The serialized task template as JSON-shaped data (what `pyflyte register` uploads)."""
+    settings = SerializationSettings(image_config=ImageConfig.auto_default_image())
+    serialized = get_serializable(OrderedDict(), settings, entity)
+    return MessageToDict(serialized.template.to_flyte_idl())
+
+
+def training_task_for(config):
+    """The training task as it would be defined under `config` (the module's task uses platform.toml)."""
+    return task(**training_task_options(config))(train_model.task_function)
+
+
+def pod_container(template: dict) -> dict:
+    return template["k8sPod"]["podSpec"]["containers"][0] if "k8sPod" in template else template["container"]
+
+
+def env_of(container: dict) -> dict:
+    return {e["key"] if "key" in e else e["name"]: e["value"] for e in container.get("env", [])}
+
+
+def test_multi_node_task_is_a_pytorchjob_with_the_configured_resources(tmp_path):
+    config = config_from(tmp_path, MULTI_NODE)
+    t = template_of(training_task_for(config))
+
+    assert t["type"] == "pytorch"
+    job = ParseDict(t["custom"], DistributedPyTorchTrainingTask())
+    assert job.elastic_config.rdzv_backend == "c10d"
+    assert (job.elastic_config.min_replicas, job.elastic_config.max_replicas) == (4, 4)
+    assert job.elastic_config.nproc_per_node == 8
+    assert job.elastic_config.max_restarts == 3
+    assert job.worker_replicas.replicas == 4
+
+    assert t["extendedResources"]["gpuAccelerator"]["device"] == "nvidia-h200"
+    assert t["extendedResources"]["sharedMemory"]["sizeLimit"] == "128Gi"
+    assert t["extendedResources"]["sharedMemory"]["mountPath"] == "/dev/shm"
+    assert t["metadata"]["podTemplateName"] == "fuseforge-gpu"
+    assert t["metadata"]["generatesDeck"] is True
+    assert t["metadata"]["retries"]["retries"] == 1
+
+    pod = t["k8sPod"]["podSpec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H200"}
+    assert pod["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "dedicated", "operator": "Equal", "value": "training", "effect": "NoExecute", "tolerationSeconds": 600},
+    ]
+    container = pod_container(t)
+    assert container["resources"]["requests"] == {"gpu": "8", "cpu": "96", "memory": "1000Gi"}
+    assert container["resources"]["limits"] == {"gpu": "8", "memory": "1000Gi"}
+    assert container["image"] == "registry.example.com/ml/fuseforge:v1.2.3"
+    assert container["args"][-4:] == ["task-module", "fuseforge_flyte.tasks", "task-name", "train_model"]
+    # The pod reloads exactly this config (elastic settings included) instead of a file.
+    carried = env_of(container)[RESOLVED_CONFIG_ENV]
+    assert load_config(env={RESOLVED_CONFIG_ENV: carried}) == config
+
+
+def test_single_node_cpu_task_is_a_plain_pod_without_gpu(tmp_path):
+    config = config_from(tmp_path, CPU_SINGLE_NODE)
+    t = template_of(training_task_for(config))
+    assert t["type"] == "python-task"  # nnodes = 1: no training operator needed
+    assert "k8sPod" not in t  # no node selector or tolerations: no pod template
+    assert "extendedResources" not in t  # no accelerator, no shared memory
+    container = t["container"]
+    resources = {r["name"]: r["value"] for r in container["resources"]["requests"]}
+    assert resources == {"CPU": "8", "MEMORY": "16Gi"}
+    assert container["image"].startswith("localhost:30000/fuseforge:")
+    tag = container["image"].rsplit(":", 1)[1]
+    assert len(tag) == 20 and all(c in "0123456789abcdef" for c in tag)  # content hash
+
+
+def test_summary_task_is_small_and_shares_the_image(tmp_path):
+    config = config_from(tmp_path, MULTI_NODE)
+    t = template_of(task(**summary_task_options(config))(summarize_comparison.task_function))
+    assert t["type"] == "python-task"
+    requests = {r["name"]: r["value"] for r in t["container"]["resources"]["requests"]}
+    assert requests == {"CPU": "1", "MEMORY": "2Gi"}
+    assert t["container"]["image"] == "registry.example.com/ml/fuseforge:v1.2.3"
+
+
+def test_module_tasks_use_platform_toml():
+    t = template_of(train_model)
+    config = load_config(env={RESOLVED_CONFIG_ENV: env_of(pod_container(t))[RESOLVED_CONFIG_ENV]})
+    assert pod_container(t)["image"].startswith(f"{config.image.registry}/{config.image.name}:")
+
+
+def test_workflow_inputs_mirror_trainspec_with_config_defaults():
+    spec_fields = [f.name for f in dataclasses.fields(TrainSpec)]
+    for entity in (train_model, train):
+        inputs = entity.python_interface.inputs_with_defaults
+        assert list(inputs) == spec_fields, f"{entity.name} inputs drifted from TrainSpec"
+        assert {k: v[1] for k, v in inputs.items()} == dataclasses.asdict(DEFAULTS)
+    compare_inputs = compare.python_interface.inputs_with_defaults
+    assert set(spec_fields) - set(compare_inputs) == {"kernels", "checkpoint_dir", "checkpoint_every", "keep_last"}
+    assert compare.python_interface.outputs["o0"].__name__ == "Comparison"
+
+
+@pytest.mark.slow
+def test_pyflyte_package_offline(tmp_path):
+    """The real CLI path: `pyflyte package` with a multi-node config, then decode the tarball."""
+    (tmp_path / "platform.toml").write_text(textwrap.dedent(MULTI_NODE))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSEFORGE")}
+    env["FUSEFORGE_CONFIG"] = str(tmp_path / "platform.toml")
+    out = tmp_path / "pkg.tgz"
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("pyflyte")), "--pkgs", "fuseforge_flyte", "package",
+         "--image", "ghcr.io/flyteorg/flytekit:py3.11-latest", "-o", str(out), "--force"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    with tarfile.open(out) as tar:
+        names = tar.getnames()
+        member = next(n for n in names if n.endswith("fuseforge_flyte.tasks.train_model_1.pb"))
+        spec = TaskSpec()
+        spec.ParseFromString(tar.extractfile(member).read())
+    assert any("fuseforge_flyte.workflows.compare" in n for n in names)
+    t = MessageToDict(spec.template)
+    assert t["type"] == "pytorch"
+    elastic = ParseDict(t["custom"], DistributedPyTorchTrainingTask()).elastic_config
+    assert (elastic.min_replicas, elastic.max_replicas, elastic.nproc_per_node, elastic.max_restarts) == (4, 4, 8, 3)
+    assert pod_container(t)["image"] == "registry.example.com/ml/fuseforge:v1.2.3"
+    assert pod_container(t)["resources"]["limits"]["gpu"] == "8"
+    assert json.loads(env_of(pod_container(t))[RESOLVED_CONFIG_ENV])["elastic"]["nnodes"] == 4

@@ -1,0 +1,194 @@
+"""Patched vs unpatched Hugging Face models: same losses, gradients, parameters and logits.
+
+For every supported family a tiny model (from a config, seeded init) is trained for a
+few AdamW steps on learnable synthetic data twice, once as transformers ships it and
+once patched, from identical weights: per-step losses, first-step gradients, final
+parameters and eval logits must agree to fp32 tolerance. Further tests pin the loss
+path's contract: gradient accumulation with num_items_in_batch, logits_to_keep,
+logits on request, tuple outputs, activation checkpointing, the cross-entropy flag.
+Kernels run under the Triton interpreter on CPU, so models and step counts are small.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tolerances import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+from test_transformers_tiny_models import (  # noqa: E402
+    FAMILIES,
+    patched_copy,
+    single_thread,  # noqa: F401 - autouse fixture
+    synthetic_batches,
+    tiny_model,
+)
+
+from fuseforge.transformers import apply_kernels  # noqa: E402
+from fuseforge.transformers import loss as loss_module  # noqa: E402
+
+FP32 = torch.float32
+STEPS = 10
+
+
+def _patched(model, **flags):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return patched_copy(model, **flags)[0]
+
+
+def _assert_grads_close(fused, ref, scale=1.0, what=""):
+    for (name, p_fused), (_, p_ref) in zip(fused.named_parameters(), ref.named_parameters()):
+        if p_ref.grad is None:
+            assert p_fused.grad is None, f"{what}{name}: gradient where the original has none"
+            continue
+        assert p_fused.grad is not None, f"{what}{name}: no gradient"
+        assert_close(p_fused.grad, p_ref.grad, FP32, scale, msg=f"{what}grad of {name}")
+
+
+def _assert_params_close(fused, ref, scale=1.0):
+    for (name, p_fused), (_, p_ref) in zip(fused.named_parameters(), ref.named_parameters()):
+        assert_close(p_fused, p_ref, FP32, scale, msg=f"parameter {name}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_training_matches_unpatched(family):
+    experts = {"experts_implementation": "eager"} if family == "mixtral" else {}
+    ref = tiny_model(family, **experts).train()
+    fused = _patched(ref).train()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3)
+    opt_fused = torch.optim.AdamW(fused.parameters(), lr=3e-3)
+    ref_losses, fused_losses = [], []
+    for step, batch in enumerate(synthetic_batches(STEPS)):
+        out_ref = ref(**batch)
+        out_fused = fused(**batch)
+        assert out_fused.logits is None  # training with labels: logits never materialised
+        if family == "mixtral":
+            assert_close(out_fused.aux_loss, out_ref.aux_loss, FP32, msg="router aux loss")
+        out_ref.loss.backward()
+        out_fused.loss.backward()
+        if step == 0:
+            _assert_grads_close(fused, ref, what=f"{family} step 0: ")
+        for opt in (opt_ref, opt_fused):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        ref_losses.append(out_ref.loss.item())
+        fused_losses.append(out_fused.loss.item())
+    assert_close(torch.tensor(fused_losses), torch.tensor(ref_losses), FP32, msg="per-step losses")
+    assert min(ref_losses[-3:]) < ref_losses[0], f"the synthetic task should be learnable: {ref_losses}"
+    _assert_params_close(fused, ref, scale=10)  # 10 Adam steps amplify fp32 rounding slightly
+
+    ref.eval(), fused.eval()
+    probe = synthetic_batches(1)[0]
+    with torch.no_grad():
+        logits_ref = ref(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+        logits_fused = fused(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+    assert logits_fused is not None and logits_fused.shape == logits_ref.shape
+    assert_close(logits_fused, logits_ref, FP32, scale=10, msg="eval logits after training")
+
+
+def test_mixtral_grouped_mm_experts_match():
+    """The default experts implementation runs transformers' grouped_mm with the fused gate."""
+    ref = tiny_model("mixtral", experts_implementation="grouped_mm").train()
+    fused = _patched(ref).train()
+    assert type(fused.model.layers[0].mlp.experts).__name__ == "FusedMixtralExperts"
+    batch = synthetic_batches(1)[0]
+    out_ref, out_fused = ref(**batch), fused(**batch)
+    assert_close(out_fused.loss, out_ref.loss, FP32)
+    out_ref.loss.backward()
+    out_fused.loss.backward()
+    _assert_grads_close(fused, ref)
+
+
+def test_gradient_accumulation_with_num_items_matches_one_big_batch():
+    ref = tiny_model("llama").train()
+    fused = _patched(ref).train()
+    big = synthetic_batches(1, batch=4)[0]
+    big["input_ids"][1, -5:] = 0  # a second padded row with a different amount of padding
+    big["attention_mask"][1, -5:] = 0
+    big["labels"][1, -5:] = -100
+    num_items = (big["labels"][:, 1:] != -100).sum()  # what the Trainer passes: shifted, non-ignored
+    total = torch.zeros(())
+    for row in range(4):
+        micro = {k: v[row : row + 1] for k, v in big.items()}
+        loss = fused(**micro, num_items_in_batch=num_items).loss
+        loss.backward()
+        total += loss.detach()
+    out_ref = ref(**big)
+    out_ref.loss.backward()
+    assert_close(total, out_ref.loss.detach(), FP32)
+    _assert_grads_close(fused, ref, what="accumulated: ")
+
+
+def test_logits_to_keep_and_logits_on_request():
+    ref = tiny_model("llama").train()
+    fused = _patched(ref).train()
+    batch = synthetic_batches(1)[0]
+    ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+
+    # Labels for the kept positions only, as transformers requires.
+    keep = 7
+    out_ref = ref(input_ids=ids, attention_mask=mask, labels=labels[:, -keep:], logits_to_keep=keep)
+    out_fused = fused(input_ids=ids, attention_mask=mask, labels=labels[:, -keep:], logits_to_keep=keep)
+    assert out_fused.logits is None
+    assert_close(out_fused.loss, out_ref.loss, FP32)
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        fused(input_ids=ids, attention_mask=mask, labels=labels, logits_to_keep=keep)
+
+    # skip_logits=False: logits come back with the (fused) loss; return_dict=False: a tuple.
+    out_fused = fused(input_ids=ids, attention_mask=mask, labels=labels, skip_logits=False)
+    out_ref = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    assert_close(out_fused.loss, out_ref.loss, FP32)
+    assert_close(out_fused.logits, out_ref.logits, FP32)
+    loss_fused, *rest = fused(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False)
+    assert_close(loss_fused, out_ref.loss, FP32)
+    assert all(not (torch.is_tensor(r) and r.shape[-1:] == (ref.config.vocab_size,)) for r in rest)
+
+    # shift_labels (as context-parallel training passes them) instead of labels.
+    shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    out_fused = fused(input_ids=ids, attention_mask=mask, shift_labels=shifted)
+    assert_close(out_fused.loss, out_ref.loss, FP32)
+
+    # Eval mode (generation, metrics): logits computed normally, only the last one when asked.
+    ref.eval(), fused.eval()
+    with torch.no_grad():
+        out_ref = ref(input_ids=ids, attention_mask=mask, labels=labels)
+        out_fused = fused(input_ids=ids, attention_mask=mask, labels=labels)
+        assert_close(out_fused.logits, out_ref.logits, FP32)
+        assert_close(out_fused.loss, out_ref.loss, FP32)
+        last_ref = ref(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+        last_fused = fused(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+    assert last_fused.shape == (2, 1, ref.config.vocab_size)
+    assert_close(last_fused, last_ref, FP32)
+
+
+def test_activation_checkpointing_recomputes_with_fused_kernels():
+    ref = tiny_model("qwen2").train()
+    fused = _patched(ref).train()
+    fused.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = synthetic_batches(1)[0]
+    out_ref, out_fused = ref(**batch), fused(**batch)
+    out_ref.loss.backward()
+    out_fused.loss.backward()  # non-reentrant checkpointing checks the recomputation saved the same tensors
+    assert_close(out_fused.loss, out_ref.loss, FP32)
+    _assert_grads_close(fused, ref, what="checkpointed: ")
+
+
+def test_cross_entropy_flag_replaces_the_logits_loss(monkeypatch):
+    calls = []
+    original = loss_module.cross_entropy
+    monkeypatch.setattr(loss_module, "cross_entropy", lambda *a, **k: calls.append(1) or original(*a, **k))
+    ref = tiny_model("gemma2").train()  # softcapped logits: the loss sees them after the cap
+    fused = _patched(ref, fused_linear_cross_entropy=False, cross_entropy=True).train()
+    batch = synthetic_batches(1)[0]
+    num_items = (batch["labels"][:, 1:] != -100).sum() + 3  # any count: sum / num_items
+    out_ref = ref(**batch, num_items_in_batch=num_items)
+    out_fused = fused(**batch, num_items_in_batch=num_items)
+    assert calls and out_fused.logits is not None
+    assert_close(out_fused.loss, out_ref.loss, FP32)
+    out_ref.loss.backward()
+    out_fused.loss.backward()
+    _assert_grads_close(fused, ref)

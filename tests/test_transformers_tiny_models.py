@@ -1,0 +1,155 @@
+"""Tiny models of every supported family, a learnable synthetic data set, and recognition checks.
+
+The helpers here are shared by the other test_transformers_* files. The tests check,
+without running any kernel, that on the installed transformers every supported
+family is recognised completely: each norm, MLP/experts block, attention RoPE and
+causal-LM head gets its fused replacement and nothing is reported as skipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fuseforge.transformers import SUPPORTED_MODEL_TYPES, apply_kernels, unpatch  # noqa: E402
+
+VOCAB = 999  # not a power of two: exercises the vocabulary tail of the loss kernels
+COMMON = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=VOCAB,
+    max_position_embeddings=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+FAMILY_CONFIGS = {
+    "llama": dict(model_type="llama"),
+    "mistral": dict(model_type="mistral"),
+    "mixtral": dict(
+        model_type="mixtral",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,  # the router aux loss must be added to the fused loss
+        router_aux_loss_coef=0.05,
+        router_jitter_noise=0.0,
+    ),
+    "qwen2": dict(model_type="qwen2"),
+    "qwen3": dict(model_type="qwen3", head_dim=16),
+    # A small final-logit softcap makes softcapping change the loss by far more than the tolerance.
+    "gemma2": dict(model_type="gemma2", head_dim=16, query_pre_attn_scalar=16, final_logit_softcapping=0.5),
+    "gemma3": dict(
+        model_type="gemma3_text",
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        final_logit_softcapping=0.5,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "phi3": dict(model_type="phi3", partial_rotary_factor=0.5),  # RoPE on half of each head
+}
+FAMILIES = tuple(FAMILY_CONFIGS)
+
+
+def tiny_config(family: str, **overrides):
+    spec = {**COMMON, **FAMILY_CONFIGS[family], **overrides}
+    return transformers.AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def tiny_model(family: str, *, experts_implementation: str | None = None, **overrides):
+    """A seeded-init fp32 model from a config (uses the global RNG, seeded by conftest)."""
+    kwargs = dict(attn_implementation="eager")
+    if experts_implementation is not None:
+        kwargs["experts_implementation"] = experts_implementation
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_config(tiny_config(family, **overrides), **kwargs)
+
+
+def synthetic_batches(n_batches: int, batch: int = 2, seq: int = 24, span: int = 61):
+    """Learnable sequences: each row counts up through `span` token ids from a random start, stride 1-3.
+
+    The ids stay in a small part of the vocabulary, so a few steps already lower the loss.
+
+    Like SFT data: the first 3-6 tokens are the "prompt" (labels -100) and the last row of
+    each batch is right-padded (pad id 0, attention_mask 0, labels -100).
+    """
+    out = []
+    for _ in range(n_batches):
+        start = torch.randint(0, span, (batch, 1))
+        stride = torch.randint(1, 4, (batch, 1))
+        input_ids = 3 + (start + stride * torch.arange(seq)) % span
+        labels = input_ids.clone()
+        attention_mask = torch.ones_like(input_ids)
+        for row in range(batch):
+            labels[row, : int(torch.randint(3, 7, ()))] = -100
+        pad = int(torch.randint(2, seq // 3, ()))
+        input_ids[-1, -pad:] = 0
+        attention_mask[-1, -pad:] = 0
+        labels[-1, -pad:] = -100
+        out.append(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels))
+    return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """Tiny tensors: torch's intra-op threads only spin (and, on a shared 2-core CI, cost 5-10x)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def patched_copy(model, **flags):
+    """A deep copy of `model` (same weights), patched; warnings are the caller's business."""
+    clone = copy.deepcopy(model)
+    report = apply_kernels(clone, **flags)
+    return clone, report
+
+
+# --- tests ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_module_of_a_supported_family_is_recognised(family):
+    model = tiny_model(family)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a supported family must patch without any warning
+        report = apply_kernels(model)
+    assert report.supported and report.family == family
+    assert report.skipped == {}
+    layers = model.config.num_hidden_layers
+    # input/post-attention norms per layer + final norm (+ Gemma's pre/post feed-forward, Qwen3/Gemma3 q/k norms)
+    norms_per_layer = {"gemma2": 4, "gemma3": 6, "qwen3": 4}.get(family, 2)
+    assert sum(report.patched["rms_norm"].values()) == norms_per_layer * layers + 1
+    assert sum(report.patched["rope"].values()) == layers
+    assert sum(report.patched["swiglu"].values()) == layers
+    assert sum(report.patched["fused_linear_cross_entropy"].values()) == 1
+    expected_glu = {"gemma2": "geglu tanh", "gemma3": "geglu tanh", "mixtral": "experts"}.get(family, "swiglu")
+    assert all(expected_glu in label for label in report.patched["swiglu"])
+    assert "cross_entropy" not in report.patched  # off by default
+    assert type(model.lm_head).__name__ == "FusedLinear"
+    unpatch(model)
+
+
+def test_supported_model_types_cover_every_family():
+    types_ = {tiny_config(f).model_type for f in FAMILIES}
+    assert types_ <= set(SUPPORTED_MODEL_TYPES)
+
+
+def test_synthetic_batches_are_learnable_and_masked():
+    batches = synthetic_batches(2)
+    for b in batches:
+        assert b["input_ids"].shape == b["labels"].shape == b["attention_mask"].shape == (2, 24)
+        assert (b["labels"] == -100).any(dim=1).all()
+        assert (b["attention_mask"][-1] == 0).any() and (b["attention_mask"][0] == 1).all()
+        ids = b["input_ids"][0]
+        assert len(set((ids[1:] - ids[:-1]).remainder(61).tolist())) == 1  # one stride per row
