@@ -198,7 +198,8 @@ def _fmt(x, spec):
 
 def markdown_table(rows: list[dict]) -> str:
     lines = [
-        "| shape (N x H -> V, dtype) | impl | ms | extra MiB | speedup vs eager (x) | max abs diff loss / dH / dW vs fp32 | note |",
+        "| shape (N x H -> V, dtype) | impl | ms | extra MiB | speedup vs eager (x) "
+        "| max abs diff loss / dH / dW vs fp32 | note |",
         "|---|---|---:|---:|---:|---|---|",
     ]
     for r in rows:

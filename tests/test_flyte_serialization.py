@@ -191,7 +191,7 @@ def test_pyflyte_package_offline(tmp_path):
     env["FUSEFORGE_CONFIG"] = str(tmp_path / "platform.toml")
     out = tmp_path / "pkg.tgz"
     result = subprocess.run(
-        [str(Path(sys.executable).with_name("pyflyte")), "--pkgs", "fuseforge_flyte", "package",
+        [str(Path(sys.executable).with_name("pyflyte")), "--pkgs", "fuseforge_flyte.workflows", "package",
          "--image", "ghcr.io/flyteorg/flytekit:py3.11-latest", "-o", str(out), "--force"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )

@@ -117,6 +117,8 @@ def test_low_precision(dtype, reduction):
 def test_large_logits_are_stable():
     hidden, weight, _ = _inputs(37, 16, 1000, logit_scale=100.0)
     target = random_targets(37, 1000)
+    # Logits of size ~300 leave the fp32 GEMM with ~1e-4 absolute rounding, which moves the softmax
+    # (and so every gradient) by as much: the achievable tolerance grows with the logits' scale.
     loss, grads = _compare(hidden, weight, None, target, "sum", chunk_size=5, scale=100.0, z_loss_scale=1e-4)
     assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads if g is not None)
 
@@ -211,7 +213,8 @@ def test_no_grad_forward_and_return_lse():
         )
     logits = F.linear(hidden.double(), weight.double(), bias.double())
     assert loss.shape == lse.shape == (2, 5)
-    assert_close(loss.reshape(-1), reference_cross_entropy(logits, target, reduction="none", softcap=5.0), torch.float32)
+    expected = reference_cross_entropy(logits, target, reduction="none", softcap=5.0)
+    assert_close(loss.reshape(-1), expected, torch.float32)
     assert_close(lse.reshape(-1), reference_lse(logits, softcap=5.0), torch.float32)
 
 
@@ -266,6 +269,7 @@ def _call(hidden=None, weight=None, target=None, **kw):
         (dict(target=torch.rand(4)), TypeError, "integer class indices"),
         (dict(target=torch.zeros(4, 1, dtype=torch.long)), ValueError, "target must have shape"),
         (dict(hidden=torch.randint(0, 5, (4, 8))), TypeError, "hidden"),
+        (dict(hidden=torch.randn(())), ValueError, "hidden"),
         (dict(reduction="sum", num_items_in_batch=10), ValueError, "num_items_in_batch"),
         (dict(num_items_in_batch=0), ValueError, "num_items_in_batch"),
         (dict(num_items_in_batch=torch.ones(2)), ValueError, "num_items_in_batch"),

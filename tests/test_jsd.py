@@ -194,7 +194,8 @@ def test_jsd_teacher_gets_no_gradient_and_views_work(device):
     assert (s_leaf.grad[:, 1::2] == 0).all()
     # ... and a row-strided view is read in place
     s_rows = s_leaf.detach()[:, :90]
-    assert_close(jsd(s_rows, t_full[:, :90]), jsd_reference(s_rows, t_full[:, :90], None, 0.5, "batchmean")[0], torch.float32)
+    t_rows = t_full[:, :90]
+    assert_close(jsd(s_rows, t_rows), jsd_reference(s_rows, t_rows, None, 0.5, "batchmean")[0], torch.float32)
 
 
 def test_jsd_no_grad_and_single_backward(device):
@@ -325,6 +326,20 @@ def test_fused_linear_jsd_all_ignored(device):
     assert loss.item() == 0.0
     loss.backward()
     assert torch.equal(hs.grad, torch.zeros_like(hs)) and torch.equal(ws.grad, torch.zeros_like(ws))
+
+
+def test_fused_linear_jsd_empty_batch_and_autocast(device):
+    hs, ws, ht, wt = make_heads(5, 8, 8, 40, torch.float32, device)
+    empty = fused_linear_jsd(hs[:0], ws, ht[:0], wt)
+    assert empty.item() == 0.0
+    empty.backward()
+    assert torch.equal(ws.grad, torch.zeros_like(ws))
+    ws.grad = None
+    # autocast must not change the dtypes the fused matmuls write into
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        loss = fused_linear_jsd(hs, ws, ht, wt, chunk_size=2)
+    assert loss.dtype == torch.float32
+    assert_close(loss, fused_reference(hs, ws, ht, wt, None, 0.5, 1.0)[0], torch.float32)
 
 
 def test_fused_linear_jsd_frozen_head_and_no_grad(device):

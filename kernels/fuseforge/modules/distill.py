@@ -34,7 +34,9 @@ class FusedLinearJSDLoss(torch.nn.Module):
     forward(student_hidden, student_weight, teacher_hidden, teacher_weight, target=None) -> batchmean loss.
     """
 
-    def __init__(self, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100, chunk_size: int | None = None):
+    def __init__(
+        self, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100, chunk_size: int | None = None
+    ):
         super().__init__()
         self.beta = check_beta(beta)
         self.temperature = check_positive("temperature", temperature)

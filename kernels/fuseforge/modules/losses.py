@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from fuseforge.ops.cross_entropy import check_loss_options, cross_entropy
-from fuseforge.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from fuseforge.ops.fused_linear_cross_entropy import check_chunk_size, fused_linear_cross_entropy
 
 
 class CrossEntropyLoss(torch.nn.Module):
@@ -81,15 +81,13 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
     ):
         super().__init__()
         opts = check_loss_options(ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
         self.ignore_index = opts.ignore_index
         self.reduction = reduction
         self.label_smoothing = opts.label_smoothing
         self.z_loss_scale = opts.z_loss_scale
         self.softcap = opts.softcap
         self.return_lse = bool(return_lse)
-        self.chunk_size = chunk_size
+        self.chunk_size = check_chunk_size(chunk_size)
 
     def forward(
         self,

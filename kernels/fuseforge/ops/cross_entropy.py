@@ -341,7 +341,8 @@ def ce_write_grad(
         logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1), target, lse, scale,
         n_tokens, n_vocab, tiling.vocab_per_split, opts.ignore_index, opts.label_smoothing, opts.z_loss_scale,
         opts.softcap if opts.softcap is not None else 1.0,
-        HAS_SOFTCAP=opts.softcap is not None, SCALE_PER_ROW=scale.numel() != 1, BLOCK_T=tiling.block_t, BLOCK_V=tiling.block_v, num_warps=tiling.num_warps,
+        HAS_SOFTCAP=opts.softcap is not None, SCALE_PER_ROW=scale.numel() != 1,
+        BLOCK_T=tiling.block_t, BLOCK_V=tiling.block_v, num_warps=tiling.num_warps,
     )
     return out
 

@@ -239,9 +239,10 @@ def _autocast_inputs(hidden, weight, bias):
     return cast(hidden), cast(weight), cast(bias)
 
 
-def _check_chunk_size(chunk_size, n_vocab: int, element_size: int) -> int:
+def check_chunk_size(chunk_size) -> int | None:
+    """None (pick from the memory budget) or a positive int number of tokens per chunk."""
     if chunk_size is None:
-        return default_chunk_tokens(n_vocab, element_size)
+        return None
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}")
     if chunk_size < 1:
@@ -325,7 +326,7 @@ def fused_linear_cross_entropy(
         check_same_dtype(hidden=hidden, weight=weight, bias=bias)
     except TypeError as err:
         raise TypeError(f"{err}; cast them to one dtype or run under torch.autocast") from None
-    chunk = _check_chunk_size(chunk_size, n_vocab, hidden.element_size())
+    chunk = check_chunk_size(chunk_size) or default_chunk_tokens(n_vocab, hidden.element_size())
     if num_items_in_batch is not None and reduction != "mean":
         raise ValueError(f"num_items_in_batch only applies to reduction='mean', got reduction={reduction!r}")
     check_target_range(target, n_vocab, opts.ignore_index)

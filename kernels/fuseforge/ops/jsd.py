@@ -161,13 +161,14 @@ def _jsd_logp_kernel(
         t = tl.load(t_ptr + rows64[:, None] * t_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         s = tl.where(mask, s, float("-inf"))
         t = tl.where(mask, t, float("-inf"))
+        # Masked lanes (ignored rows, the tail block) are -inf on both sides: exactly 0 loss and gradient.
         loss, grad = _jsd_pointwise(s, t, beta, BETA_MODE)
         acc += tl.sum(loss, axis=1)
         if COMPUTE_GRAD:
-            grad = tl.where(mask, grad * scale, 0.0)
             out_mask = (rows < n_rows)[:, None] & col_ok[None, :]
-            tl.store(grad_ptr + rows64[:, None] * n_cols + cols[None, :], grad.to(grad_ptr.dtype.element_ty), mask=out_mask)
-    tl.store(loss_ptr + rows, tl.where(row_ok, acc, 0.0), mask=rows < n_rows)
+            grad = (grad * scale).to(grad_ptr.dtype.element_ty)
+            tl.store(grad_ptr + rows64[:, None] * n_cols + cols[None, :], grad, mask=out_mask)
+    tl.store(loss_ptr + rows, acc, mask=rows < n_rows)
 
 
 @triton.jit
@@ -245,19 +246,19 @@ def _jsd_logits_kernel(
 # ------------------------------------------------------------------------------ jsd on log-probs
 
 
+_CONSUMED = object()
+
+
 def _take_saved(ctx, name: str):
     """Hand over a gradient buffer computed in forward; it is scaled in place, so only once."""
     saved = getattr(ctx, name)
     if saved is _CONSUMED:
         raise RuntimeError(
-            "fuseforge distillation losses compute their gradient in the forward pass and scale it in place "
-            "during backward, so each graph can be backpropagated only once (recompute the loss instead of retain_graph=True)"
+            "fuseforge distillation losses compute their gradient in the forward pass and scale it in place during "
+            "backward, so each graph can be backpropagated only once (recompute the loss instead of retain_graph=True)"
         )
     setattr(ctx, name, _CONSUMED)
     return saved
-
-
-_CONSUMED = object()
 
 
 class _JSDFunction(torch.autograd.Function):
@@ -374,29 +375,29 @@ class _FusedLinearJSDFunction(torch.autograd.Function):
         # Accumulated in the weight dtype, one rounding per chunk (cuBLAS adds in fp32).
         grad_weight = torch.zeros_like(student_weight) if grad_weight_needed else None
 
-        chunk = min(chunk_size, n_tokens)
-        if n_tokens > 0:
-            student_logits = torch.empty(chunk, vocab, dtype=student_hidden.dtype, device=device)
-            teacher_logits = torch.empty(chunk, vocab, dtype=teacher_hidden.dtype, device=device)
-        for start in range(0, n_tokens, chunk):
-            end = min(start + chunk, n_tokens)
-            h_s = student_hidden[start:end]
-            z_s, z_t = student_logits[: end - start], teacher_logits[: end - start]
-            torch.mm(h_s, student_weight.t(), out=z_s)
-            torch.mm(teacher_hidden[start:end], teacher_weight.t(), out=z_t)
-            block_rows, block_cols, warps = _row_tiles(end - start, vocab)
-            _jsd_logits_kernel[(triton.cdiv(end - start, block_rows),)](
-                z_s, z_s.stride(0), z_t, z_t.stride(0),
-                target[start:end] if target is not None else row_loss, row_loss[start:end], scale,
-                end - start, vocab, 1.0 / temperature, beta, ignore_index,
-                HAS_TARGET=target is not None, BETA_MODE=_beta_mode(beta), COMPUTE_GRAD=compute_grad,
-                BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=warps,
-            )
-            # z_s now holds dLoss/dz_s for this chunk.
-            if grad_hidden_needed:
-                torch.mm(z_s, student_weight, out=grad_hidden[start:end])
-            if grad_weight_needed:
-                grad_weight.addmm_(z_s.t(), h_s)
+        chunk = max(1, min(chunk_size, n_tokens))
+        student_logits = torch.empty(chunk, vocab, dtype=student_hidden.dtype, device=device)
+        teacher_logits = torch.empty(chunk, vocab, dtype=teacher_hidden.dtype, device=device)
+        with torch.autocast(device.type, enabled=False):  # the matmuls write into fixed-dtype buffers
+            for start in range(0, n_tokens, chunk):
+                end = min(start + chunk, n_tokens)
+                h_s = student_hidden[start:end]
+                z_s, z_t = student_logits[: end - start], teacher_logits[: end - start]
+                torch.mm(h_s, student_weight.t(), out=z_s)
+                torch.mm(teacher_hidden[start:end], teacher_weight.t(), out=z_t)
+                block_rows, block_cols, warps = _row_tiles(end - start, vocab)
+                _jsd_logits_kernel[(triton.cdiv(end - start, block_rows),)](
+                    z_s, z_s.stride(0), z_t, z_t.stride(0),
+                    target[start:end] if target is not None else row_loss, row_loss[start:end], scale,
+                    end - start, vocab, 1.0 / temperature, beta, ignore_index,
+                    HAS_TARGET=target is not None, BETA_MODE=_beta_mode(beta), COMPUTE_GRAD=compute_grad,
+                    BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols, num_warps=warps,
+                )
+                # z_s now holds dLoss/dz_s for this chunk.
+                if grad_hidden_needed:
+                    torch.mm(z_s, student_weight, out=grad_hidden[start:end])
+                if grad_weight_needed:
+                    grad_weight.addmm_(z_s.t(), h_s)
 
         ctx.grad_hidden = grad_hidden
         ctx.grad_weight = grad_weight
@@ -406,8 +407,7 @@ class _FusedLinearJSDFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_output):
         grad_hidden = _take_saved(ctx, "grad_hidden")
-        grad_weight = ctx.grad_weight
-        ctx.grad_weight = None
+        grad_weight = _take_saved(ctx, "grad_weight")
         for g in (grad_hidden, grad_weight):
             if g is not None:
                 g.mul_(grad_output)

@@ -175,7 +175,7 @@ def kl_div(
             f"input of shape {tuple(input.shape)} and target of shape {tuple(target.shape)} do not broadcast"
         ) from None
     # torch divides "batchmean" by the size of input's first dimension (none for a 0-d input).
-    batch_size = shape[0] if len(shape) > 0 else 1
+    batch_size = input.shape[0] if input.dim() > 0 else 1
     x = input.expand(shape).contiguous()
     y = target.expand(shape).contiguous()
     return _KLDivFunction.apply(x, y, reduction, log_target, batch_size)
