@@ -1,48 +1,57 @@
-"""Benchmark fused linear + cross-entropy (LM head loss), forward + backward, on one GPU.
+"""Benchmark the fused LM head loss (linear + cross-entropy), forward + backward, in one process.
 
-Compares, in one process and on the same inputs:
-  fuseforge      fuseforge.functional.fused_linear_cross_entropy
-  torch          eager F.linear -> .float() -> F.cross_entropy (what HF's ForCausalLMLoss does)
-  torch.compile  the same function under torch.compile
-  liger          liger_kernel's LigerFusedLinearCrossEntropyLoss   (if importable, else n/a)
-  cce            cut_cross_entropy.linear_cross_entropy             (if importable, else n/a)
+    python benchmarks/bench_flce.py                         # 8192 tokens x 4096 -> 128256, bf16
+    python benchmarks/bench_flce.py --sweep --json out.json # also vocab 32000 / 151936 / 256000
+    TRITON_INTERPRET=1 python benchmarks/bench_flce.py --smoke   # CPU check of the script (no timing)
 
-Time: median of triton.testing.do_bench over a closure running forward + backward (the
-inputs' .grad is reset to None before every run, outside the timed region).
+Implementations, on the same inputs:
+  fuseforge  fuseforge.functional.fused_linear_cross_entropy
+  eager      F.linear -> .float() -> F.cross_entropy (what HF's ForCausalLMLoss computes)
+  compile    the same function under torch.compile
+  liger      Liger-Kernel's LigerFusedLinearCrossEntropyLoss      (n/a when not installed)
+  cce        cut_cross_entropy.linear_cross_entropy                (n/a when not installed)
 
-Extra peak memory, the number fused kernels exist to shrink:
-    max_memory_allocated() during one forward + backward
-  - memory_allocated() just before it (inputs, cuBLAS workspaces, .grad cleared)
-  - bytes of grad_hidden + grad_weight (outputs any implementation must return)
-i.e. everything an implementation allocates beyond its unavoidable results.
-
-Correctness: each implementation's loss and gradients are compared with eager fp32
-(logits, softmax and GEMMs in fp32 from the same bf16 inputs); max abs diffs are printed.
-
-    python benchmarks/bench_flce.py                       # 8192 x 4096 -> 128256, bf16
-    python benchmarks/bench_flce.py --sweep --json out.json
+ms: median of triton.testing.do_bench over forward + backward (grads reset to None first).
+extra MiB: peak torch.cuda.max_memory_allocated() during one forward + backward, minus what
+  was allocated before it (inputs), minus the bytes of grad_hidden + grad_weight (results every
+  implementation must return): what an implementation allocates beyond its unavoidable outputs.
+floor ms: the three GEMMs alone (logits = h @ W.T, dh = g @ W, dW = g.T @ h) at full size, timed
+  with torch.mm into preallocated outputs: no implementation that does these FLOPs is faster.
+diffs: max abs difference of loss / grad_hidden / grad_weight against eager fp32 (fp32 GEMMs
+  and softmax from the same rounded inputs).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
+import os
 import sys
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import (  # noqa: E402
+    Measurement,
+    environment,
+    format_table,
+    fwd_bwd,
+    peak_extra_mib,
+    time_ms,
+    try_import,
+    write_json,
+)
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SWEEP_VOCABS = (32000, 151936, 256000)
-IMPLS = ("fuseforge", "torch", "torch.compile", "liger", "cce")
-MiB = 2**20
+IMPLS = ("fuseforge", "eager", "compile", "liger", "cce")
+SMOKE_SHAPE = (96, 32, 500)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=8192, help="N: tokens (batch * sequence)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=8192, help="N: tokens (batch x sequence)")
     p.add_argument("--hidden", type=int, default=4096, help="H: hidden size")
     p.add_argument("--vocab", type=int, default=128256, help="V: vocabulary size")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -52,16 +61,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ignore-fraction", type=float, default=0.0, help="fraction of targets set to ignore_index")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench measurement time, ms")
-    p.add_argument("--no-check", action="store_true", help="skip the fp32 correctness comparison")
-    p.add_argument("--json", metavar="PATH", default=None, help="also write the results as JSON")
+    p.add_argument("--no-check", action="store_true", help="skip the comparison with eager fp32")
+    p.add_argument("--json", metavar="PATH", help="also write results and environment as JSON")
+    p.add_argument("--smoke", action="store_true", help=f"CPU/interpreter: shape {SMOKE_SHAPE}, no timing")
     args = p.parse_args(argv)
     unknown = set(args.impls.split(",")) - set(IMPLS)
     if unknown:
         p.error(f"unknown --impls {sorted(unknown)}; choose from {IMPLS}")
+    if not args.smoke and not torch.cuda.is_available():
+        p.error("timing needs a CUDA device; use --smoke on the CPU (with TRITON_INTERPRET=1)")
+    if args.smoke and args.chunk_size is None:
+        args.chunk_size = 16  # small chunks, so the smoke run takes every fuseforge code path
     return args
-
-
-# ----------------------------------------------------------------------------- implementations
 
 
 def _eager(hidden, weight, target):
@@ -69,64 +80,50 @@ def _eager(hidden, weight, target):
 
 
 def make_loss_fn(name: str, chunk_size: int | None) -> Callable | None:
-    """loss(hidden, weight, target) for one implementation, or None if it is not installed."""
+    """loss(hidden, weight, target) for one implementation; None when its library is not installed."""
     if name == "fuseforge":
         from fuseforge.functional import fused_linear_cross_entropy
 
         return lambda h, w, t: fused_linear_cross_entropy(h, w, t, chunk_size=chunk_size)
-    if name == "torch":
+    if name == "eager":
         return _eager
-    if name == "torch.compile":
+    if name == "compile":
         return torch.compile(_eager)
     if name == "liger":
-        try:
-            from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
-        except ImportError:
+        liger = try_import("liger_kernel.transformers")
+        if liger is None:
             return None
-        liger = LigerFusedLinearCrossEntropyLoss()
-        return lambda h, w, t: liger(w, h, t)  # Liger takes the weight first
+        loss_fn = liger.LigerFusedLinearCrossEntropyLoss()
+        return lambda h, w, t: loss_fn(w, h, t)  # Liger takes the weight first
     if name == "cce":
-        try:
-            from cut_cross_entropy import linear_cross_entropy
-        except ImportError:
-            return None
-        return lambda h, w, t: linear_cross_entropy(h, w, t)
+        cce = try_import("cut_cross_entropy")
+        return None if cce is None else (lambda h, w, t: cce.linear_cross_entropy(h, w, t))
     raise ValueError(name)
 
 
-# ----------------------------------------------------------------------------- measurements
-
-
-def make_inputs(n, h, v, dtype, ignore_fraction, device="cuda"):
+def make_inputs(n, h, v, dtype, ignore_fraction, device):
     gen = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(n, h, device=device, generator=gen).to(dtype).requires_grad_()
     weight = (torch.randn(v, h, device=device, generator=gen) * 0.02).to(dtype).requires_grad_()
     target = torch.randint(0, v, (n,), device=device, generator=gen)
-    drop = torch.rand(n, device=device, generator=gen) < ignore_fraction
-    target[drop] = -100
+    target[torch.rand(n, device=device, generator=gen) < ignore_fraction] = -100
     return hidden, weight, target
 
 
-def fwd_bwd(loss_fn, hidden, weight, target):
-    hidden.grad = None
-    weight.grad = None
-    loss = loss_fn(hidden, weight, target)
-    loss.backward()
-    return loss
+def gemm_floor_ms(hidden, weight, args) -> float:
+    """The three full-size GEMMs every implementation performs, with preallocated outputs."""
+    h, w = hidden.detach(), weight.detach()
+    logits = h.new_empty(h.shape[0], w.shape[0])
+    dh, dw = torch.empty_like(h), torch.empty_like(w)
 
+    def gemms():
+        torch.mm(h, w.t(), out=logits)
+        torch.mm(logits, w, out=dh)
+        torch.mm(logits.t(), h, out=dw)
 
-def extra_peak_mib(loss_fn, hidden, weight, target) -> float:
-    """Peak allocated during one fwd+bwd beyond inputs and the returned gradients (see module doc)."""
-    hidden.grad = None
-    weight.grad = None
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fwd_bwd(loss_fn, hidden, weight, target)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
-    outputs = hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()
-    return (peak - before - outputs) / MiB
+    ms = time_ms(gemms, args.warmup, args.rep)
+    del logits, dh, dw
+    return ms
 
 
 def fp32_reference(hidden, weight, target):
@@ -137,100 +134,79 @@ def fp32_reference(hidden, weight, target):
     return loss.detach(), h.grad, w.grad
 
 
-def max_abs_diffs(loss_fn, hidden, weight, target, ref) -> tuple[float, float, float]:
-    loss = fwd_bwd(loss_fn, hidden, weight, target)
-    ref_loss, ref_gh, ref_gw = ref
-    return (
-        (loss.detach().float() - ref_loss).abs().item(),
-        (hidden.grad.float() - ref_gh).abs().max().item(),
-        (weight.grad.float() - ref_gw).abs().max().item(),
-    )
-
-
-def bench_shape(args, n, h, v) -> list[dict]:
-    import triton.testing
-
+def bench_shape(args, n, h, v, device) -> list[Measurement]:
     dtype = DTYPES[args.dtype]
-    hidden, weight, target = make_inputs(n, h, v, dtype, args.ignore_fraction)
-    ref = None
-    if not args.no_check:
-        ref = fp32_reference(hidden, weight, target)
-        torch.cuda.empty_cache()
+    hidden, weight, target = make_inputs(n, h, v, dtype, args.ignore_fraction, device)
+    shape = f"{n}x{h}->{v} {args.dtype}"
+    output_mib = (hidden.numel() * hidden.element_size() + weight.numel() * weight.element_size()) / 2**20
+    floor = None if args.smoke else gemm_floor_ms(hidden, weight, args)
+    ref = None if args.no_check else fp32_reference(hidden, weight, target)
     rows = []
     for name in args.impls.split(","):
-        row = dict(impl=name, tokens=n, hidden=h, vocab=v, dtype=args.dtype, ms=None, extra_mib=None,
-                   loss_diff=None, grad_hidden_diff=None, grad_weight_diff=None, note="")
-        loss_fn = make_loss_fn(name, args.chunk_size)
+        m = Measurement("fused_linear_cross_entropy", shape, name, floor_ms=floor)
+        loss_fn = None if (args.smoke and name == "compile") else make_loss_fn(name, args.chunk_size)
         if loss_fn is None:
-            row["note"] = "n/a (not installed)"
-            rows.append(row)
+            m.note = "n/a (not installed)" if name != "compile" else "n/a (smoke)"
+            rows.append(m)
             continue
+        run = fwd_bwd(lambda f=loss_fn: f(hidden, weight, target), [hidden, weight])
         try:
-            fwd_bwd(loss_fn, hidden, weight, target)  # compile / autotune / allocate workspaces
-            row["extra_mib"] = extra_peak_mib(loss_fn, hidden, weight, target)
-            row["ms"] = triton.testing.do_bench(
-                lambda: fwd_bwd(loss_fn, hidden, weight, target),
-                warmup=args.warmup, rep=args.rep, grad_to_none=[hidden, weight], return_mode="median",
-            )
+            run()  # compile / warm up / allocate workspaces
             if ref is not None:
-                row["loss_diff"], row["grad_hidden_diff"], row["grad_weight_diff"] = max_abs_diffs(
-                    loss_fn, hidden, weight, target, ref)
-        except torch.cuda.OutOfMemoryError:
-            row["note"] = "OOM"
-        except Exception as err:  # a baseline failing must not hide the others' numbers
-            row["note"] = f"failed: {type(err).__name__}: {err}"[:120]
-        hidden.grad = None
-        weight.grad = None
-        torch.cuda.empty_cache()
-        rows.append(row)
-    eager_ms = next((r["ms"] for r in rows if r["impl"] == "torch" and r["ms"]), None)
-    for r in rows:
-        r["vs_eager"] = eager_ms / r["ms"] if eager_ms and r["ms"] else None
+                got = _loss_and_grads(loss_fn, hidden, weight, target)
+                diffs = [float((a - b).abs().max()) for a, b in zip(got, ref)]
+                m.extra = dict(loss_diff=diffs[0], grad_hidden_diff=diffs[1], grad_weight_diff=diffs[2])
+                m.max_abs_err = max(diffs)
+            if not args.smoke:
+                m.extra_mib = peak_extra_mib(run) - output_mib
+                m.ms = time_ms(run, args.warmup, args.rep)
+        except Exception as exc:  # noqa: BLE001 - report a failing baseline, keep benchmarking the rest
+            m.note = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
+        hidden.grad = weight.grad = None
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        rows.append(m)
     return rows
 
 
-# ----------------------------------------------------------------------------- report
+def _loss_and_grads(loss_fn, hidden, weight, target):
+    hidden.grad = weight.grad = None
+    loss = loss_fn(hidden, weight, target)
+    loss.backward()
+    return loss.detach().float(), hidden.grad.float(), weight.grad.float()
 
 
-def _fmt(x, spec):
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
-
-
-def markdown_table(rows: list[dict]) -> str:
-    lines = [
-        "| shape (N x H -> V, dtype) | impl | ms | extra MiB | speedup vs eager (x) "
-        "| max abs diff loss / dH / dW vs fp32 | note |",
-        "|---|---|---:|---:|---:|---|---|",
-    ]
+def diffs_table(rows: list[Measurement]) -> str:
+    lines = ["| shape | impl | max abs diff: loss | grad_hidden | grad_weight |", "|---|---|---|---|---|"]
     for r in rows:
-        diffs = "n/a" if r["loss_diff"] is None else (
-            f"{r['loss_diff']:.1e} / {r['grad_hidden_diff']:.1e} / {r['grad_weight_diff']:.1e}")
-        lines.append(
-            f"| {r['tokens']} x {r['hidden']} -> {r['vocab']}, {r['dtype']} | {r['impl']} | {_fmt(r['ms'], '.2f')} "
-            f"| {_fmt(r['extra_mib'], '.1f')} | {_fmt(r['vs_eager'], '.2f')} | {diffs} | {r['note']} |"
-        )
+        d = r.extra or {}
+        cells = [f"{d[k]:.2e}" if k in d else "-" for k in ("loss_diff", "grad_hidden_diff", "grad_weight_diff")]
+        lines.append(f"| {r.shape} | {r.impl} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("bench_flce.py needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
-        return 1
-    shapes = [(args.tokens, args.hidden, args.vocab)]
-    if args.sweep:
-        shapes += [(args.tokens, args.hidden, v) for v in SWEEP_VOCABS if v != args.vocab]
-    rows = []
+    device = "cpu" if args.smoke else "cuda"
+    env = environment()
+    print({k: val for k, val in env.items() if val is not None}, flush=True)
+    if args.smoke:
+        shapes = [SMOKE_SHAPE]
+    else:
+        shapes = [(args.tokens, args.hidden, args.vocab)]
+        if args.sweep:
+            shapes += [(args.tokens, args.hidden, v) for v in SWEEP_VOCABS if v != args.vocab]
+    rows: list[Measurement] = []
     for n, h, v in shapes:
-        rows += bench_shape(args, n, h, v)
-        print(markdown_table([r for r in rows if r["vocab"] == v]), flush=True)
-        print()
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__}")
-    print(markdown_table(rows))
+        shape_rows = bench_shape(args, n, h, v, device)
+        rows += shape_rows
+        print(format_table(shape_rows) + "\n\n" + diffs_table(shape_rows) + "\n", flush=True)
+    if len(shapes) > 1:
+        print("## all results\n" + format_table(rows) + "\n\n" + diffs_table(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), f, indent=2)
-    return 0
+        write_json(args.json, rows, env)
+    failed = [r for r in rows if r.impl == "fuseforge" and r.note.startswith("failed")]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from test_transformers_tiny_models import (  # noqa: E402
     tiny_model,
 )
 
-from fuseforge.transformers import apply_kernels  # noqa: E402
+from fuseforge.transformers import unpatch  # noqa: E402
 from fuseforge.transformers import loss as loss_module  # noqa: E402
 
 FP32 = torch.float32
@@ -103,11 +103,17 @@ def test_training_matches_unpatched(family):
 
     ref.eval(), fused.eval()
     probe = synthetic_batches(1)[0]
+    del probe["labels"]
     with torch.no_grad():
-        logits_ref = ref(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
-        logits_fused = fused(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+        logits_ref = ref(**probe).logits
+        logits_fused = fused(**probe).logits
+        unpatch(fused)
+        logits_fused_weights_unpatched = fused(**probe).logits
     assert logits_fused is not None and logits_fused.shape == logits_ref.shape
-    assert_close(logits_fused, logits_ref, FP32, scale=10, msg=_labelled("eval logits after training"))
+    # The eval path itself is exact to fp32 tolerance (same weights, with and without kernels)...
+    assert_close(logits_fused, logits_fused_weights_unpatched, FP32, msg=_labelled("eval logits, same weights"))
+    # ...and the two trained models agree up to the parameter noise bounded above.
+    torch.testing.assert_close(logits_fused, logits_ref, atol=LR / 4, rtol=1e-5, msg=_labelled("eval logits"))
 
 
 def test_mixtral_grouped_mm_experts_match():
