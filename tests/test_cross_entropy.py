@@ -11,6 +11,14 @@ from tolerances import assert_close
 REDUCTIONS = ["mean", "sum", "none"]
 
 
+@pytest.fixture(autouse=True)
+def _tensors_on_test_device(device):
+    """Every tensor a test makes lives where the kernels run (CUDA, or the CPU interpreter)."""
+    torch.set_default_device(device)
+    yield
+    torch.set_default_device(None)
+
+
 def _run(logits, target, reduction="mean", upstream=None, **options):
     """Loss and logits-grad of fuseforge (on `logits`) and of the float64 reference."""
     x = logits.detach().clone().requires_grad_()
@@ -29,7 +37,7 @@ def _run(logits, target, reduction="mean", upstream=None, **options):
 def test_matches_torch(n, v, reduction, device):
     logits = torch.randn(n, v, device=device) * 3
     target = random_targets(n, v).to(device)
-    loss, grad, ref, ref_grad = _run(logits.cpu(), target.cpu(), reduction, label_smoothing=0.1)
+    loss, grad, ref, ref_grad = _run(logits, target, reduction, label_smoothing=0.1)
     assert loss.dtype == logits.dtype
     assert_close(loss, ref, torch.float32)
     assert_close(grad, ref_grad, torch.float32)
@@ -218,3 +226,20 @@ def test_strided_and_one_dimensional_logits():
     assert single.shape == ()
     assert_close(single, reference_cross_entropy(storage[:, :1].t().double(), target[1:2], reduction="none")[0],
                  torch.float32)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_fused_gradient_unit_upstream_and_second_backward(reduction, device):
+    """The fused path's gradient for grad_output = 1 (no rescale) and again after retain_graph."""
+    logits = torch.randn(9, 300, device=device) * 3
+    target = random_targets(9, 300).to(device)
+    x = logits.clone().requires_grad_()
+    loss = cross_entropy(x, target, reduction=reduction)
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    x.grad = None
+    loss.backward(torch.tensor(2.0, device=device))
+    ref_x = logits.double().requires_grad_()
+    reference_cross_entropy(ref_x, target.long(), reduction=reduction).backward()
+    assert_close(first, ref_x.grad, torch.float32)
+    assert_close(x.grad, 2 * ref_x.grad, torch.float32)

@@ -13,6 +13,13 @@ from tolerances import assert_close
 REDUCTIONS = ["mean", "sum", "none"]
 
 
+@pytest.fixture(autouse=True)
+def _tensors_on_test_device(device):
+    """Every tensor these tests create lives on the test device (CUDA when present, else the CPU interpreter)."""
+    with torch.device(device):
+        yield
+
+
 def _inputs(n, h, v, dtype=torch.float32, bias=False, logit_scale=2.0):
     """hidden, weight (, bias) scaled so that logits have std ~ logit_scale, rounded to `dtype`."""
     hidden = torch.randn(n, h).to(dtype)
@@ -218,11 +225,11 @@ def test_no_grad_forward_and_return_lse():
     assert_close(lse.reshape(-1), reference_lse(logits, softcap=5.0), torch.float32)
 
 
-def test_autocast_runs_the_head_in_autocast_dtype():
+def test_autocast_runs_the_head_in_autocast_dtype(device):
     hidden, weight, _ = _inputs(7, 16, 33)
     target = random_targets(7, 33)
     h, w = _leaves(hidden, weight)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast(device, dtype=torch.bfloat16):
         loss = fused_linear_cross_entropy(h, w, target)
     loss.backward()
     assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
@@ -282,7 +289,10 @@ def _call(hidden=None, weight=None, target=None, **kw):
               target=torch.zeros(4, dtype=torch.long, device="meta")), ValueError, "CUDA"),
     ],
 )
-def test_bad_inputs(kwargs, error, match):
+def test_bad_inputs(kwargs, error, match, device):
+    # The cases were built at collection time on the CPU: move them to the test device (meta stays meta).
+    kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v
+              for k, v in kwargs.items()}
     with pytest.raises(error, match=match):
         _call(**kwargs)
 

@@ -11,7 +11,9 @@ Kernels run under the Triton interpreter on CPU, so models and step counts are s
 
 from __future__ import annotations
 
+import importlib.util
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +29,7 @@ from test_transformers_tiny_models import (  # noqa: E402
     tiny_model,
 )
 
-from fuseforge.transformers import unpatch  # noqa: E402
+from fuseforge.transformers import get_patch_report, unpatch  # noqa: E402
 from fuseforge.transformers import loss as loss_module  # noqa: E402
 
 FP32 = torch.float32
@@ -72,11 +74,36 @@ def _assert_params_close(fused, ref, lr: float):
         )
 
 
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Counts calls into each fused kernel, to prove the patched model really runs them."""
+    from fuseforge.transformers import layers, rope
+
+    calls = {}
+
+    def spy(module, name, kernel):
+        original = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            calls[kernel] = calls.get(kernel, 0) + 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+    spy(layers, "rms_norm", "rms_norm")
+    spy(layers, "swiglu", "glu")
+    spy(layers, "geglu", "glu")
+    spy(rope, "rope", "rope")
+    spy(loss_module, "fused_linear_cross_entropy", "fused_linear_cross_entropy")
+    return calls
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_training_matches_unpatched(family):
+def test_training_matches_unpatched(family, kernel_calls):
     experts = {"experts_implementation": "eager"} if family == "mixtral" else {}
     ref = tiny_model(family, **experts).train()
     fused = _patched(ref).train()
+    report = get_patch_report(fused)
     # eps=1e-6: with the default 1e-8, parameters whose gradient is ~0 (noise) take lr-sized
     # steps of random sign, so fp32 rounding differences would be amplified into lr-sized gaps.
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, eps=1e-6)
@@ -92,6 +119,16 @@ def test_training_matches_unpatched(family):
         out_fused.loss.backward()
         if step == 0:
             _assert_grads_close(fused, ref, what=f"{family} step 0: ")
+            layers = ref.config.num_hidden_layers
+            assert kernel_calls == {
+                "rms_norm": sum(report.patched["rms_norm"].values()),
+                "rope": layers,
+                # Mixtral: one fused gate per expert that received tokens (2 of 4 per token).
+                "glu": kernel_calls["glu"] if family == "mixtral" else layers,
+                "fused_linear_cross_entropy": 1,
+            }
+            if family == "mixtral":  # top-2 routing: at least two experts per layer
+                assert kernel_calls["glu"] >= 2 * layers
         for opt in (opt_ref, opt_fused):
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -194,11 +231,19 @@ def test_logits_to_keep_and_logits_on_request():
 def test_activation_checkpointing_recomputes_with_fused_kernels():
     ref = tiny_model("qwen2").train()
     fused = _patched(ref).train()
-    fused.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    non_reentrant = {"use_reentrant": False}
+    if hasattr(fused, "activation_checkpointing_enable"):  # the newer name (transformers >= 5.2x)
+        fused.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
+    else:
+        fused.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
+    attention_calls = []
+    for layer in fused.model.layers:
+        layer.self_attn.register_forward_hook(lambda *_: attention_calls.append(1))
     batch = synthetic_batches(1)[0]
     out_ref, out_fused = ref(**batch), fused(**batch)
     out_ref.loss.backward()
     out_fused.loss.backward()  # non-reentrant checkpointing checks the recomputation saved the same tensors
+    assert len(attention_calls) == 2 * len(fused.model.layers)  # forward + recomputation
     assert_close(out_fused.loss, out_ref.loss, FP32)
     _assert_grads_close(fused, ref, what="checkpointed: ")
 
@@ -218,3 +263,36 @@ def test_cross_entropy_flag_replaces_the_logits_loss(monkeypatch):
     out_ref.loss.backward()
     out_fused.loss.backward()
     _assert_grads_close(fused, ref)
+
+
+def _load_example(name: str):
+    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"fuseforge_example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hf_trainer_example_matches_the_unpatched_trainer(tmp_path):
+    """examples/hf_trainer.py: Trainer with gradient accumulation, patched vs not, same run."""
+    example = _load_example("hf_trainer")
+    runs = {}
+    for kernels in (False, True):
+        model = example.build_model(None, bf16=False)  # seeded: identical initial weights
+        if kernels:
+            assert example.apply_kernels(model).patched["fused_linear_cross_entropy"]
+        trainer = example.train(model, steps=3, seq_len=16, output_dir=str(tmp_path / str(kernels)))
+        losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+        runs[kernels] = (losses, model, trainer.evaluate()["eval_loss"])
+    (ref_losses, ref, ref_eval), (losses, fused, fused_eval) = runs[False], runs[True]
+    assert len(losses) == 3
+    assert_close(torch.tensor(losses), torch.tensor(ref_losses), FP32, msg=_labelled("Trainer losses"))
+    _assert_params_close(fused, ref, lr=3e-3)
+    torch.testing.assert_close(fused_eval, ref_eval, atol=1e-3, rtol=1e-5)
+
+
+def test_sft_example_explains_a_missing_trl():
+    if importlib.util.find_spec("trl") is not None and importlib.util.find_spec("datasets") is not None:
+        pytest.skip("TRL is installed: the guard does not fire")
+    with pytest.raises(SystemExit, match="pip install trl datasets"):
+        _load_example("sft_trainer")

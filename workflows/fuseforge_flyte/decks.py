@@ -52,6 +52,9 @@ def _metric_rows(m: TrainMetrics) -> List[Tuple[str, str]]:
         ("step time p50 / p90 / p99", f"{m.step_time_p50_s * 1e3:.1f} / {m.step_time_p90_s * 1e3:.1f} / {m.step_time_p99_s * 1e3:.1f} ms"),
         ("final loss", f"{m.final_loss:.4f}"),
         ("steps", str(m.steps)),
+        ("tokens per step (global)", f"{m.tokens_per_step:,}"),
+        ("parameters", f"{m.num_params:,}"),
+        ("dtype", m.dtype),
         ("restarts / steps redone / skipped", f"{m.restarts} / {m.steps_redone} / {m.skipped_steps}"),
         ("resumed from step", str(m.resumed_from_step)),
     ]

@@ -12,10 +12,11 @@ run the Triton kernels through the interpreter.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 from flytekit import Deck, PodTemplate, Resources, task
 from flytekit.core.context_manager import FlyteContextManager
@@ -27,6 +28,7 @@ from kubernetes.client import V1PodSpec, V1Toleration
 from fuseforge_flyte.comparison import Comparison, compare_metrics
 from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, PlatformConfig, get_config
 from fuseforge_flyte.image import training_image
+from fuseforge_flyte.training.distributed import SHARED_STORE_ENV
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 
 
@@ -41,23 +43,45 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
     """Runs as registered on the cluster; locally, one node of `local_nproc_per_node` workers."""
 
     def execute(self, **kwargs: Any) -> Any:
-        state = FlyteContextManager.current_context().execution_state
-        if state is None or not state.is_local_execution():
+        # A fresh rendezvous store per restart round, or restarted workers can read the dead round's
+        # addresses (see fuseforge_flyte.training.distributed); pods also get it from `environment`.
+        launch_env = {SHARED_STORE_ENV: "1"}
+        with contextlib.ExitStack() as scope:
+            state = FlyteContextManager.current_context().execution_state
+            if state is not None and state.is_local_execution():
+                scope.enter_context(self._as_one_local_node(launch_env))
+            scope.enter_context(_environment(launch_env))
             return super().execute(**kwargs)
+
+    @contextlib.contextmanager
+    def _as_one_local_node(self, launch_env: Dict[str, str]) -> Iterator[None]:
+        """Swap the registered nnodes/nproc_per_node for a local run's, and back."""
         import torch
 
         workers = self.task_config.local_nproc_per_node
         if torch.cuda.is_available():
             workers = min(workers, torch.cuda.device_count())
         else:
-            use_triton_interpreter_without_cuda()  # inherited by the workers before they import any kernel
+            launch_env["TRITON_INTERPRET"] = "1"  # inherited by the workers before they import any kernel
         registered = (self._task_config, self.min_nodes, self.max_nodes)
         self._task_config = dataclasses.replace(self.task_config, nnodes=1, nproc_per_node=workers)
         self.min_nodes = self.max_nodes = 1
         try:
-            return super().execute(**kwargs)
+            yield
         finally:
             self._task_config, self.min_nodes, self.max_nodes = registered
+
+
+@contextlib.contextmanager
+def _environment(values: Dict[str, str]) -> Iterator[None]:
+    """Set the variables that are not set yet (an explicit user setting wins), then restore."""
+    added = [name for name in values if name not in os.environ]
+    os.environ.update({name: values[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 TaskPlugins.register_pythontask_plugin(ElasticTraining, ElasticTrainingTask)
@@ -127,7 +151,7 @@ def training_task_options(config: PlatformConfig) -> Dict[str, Any]:
         container_image=training_image(config),
         requests=Resources(cpu=cluster.cpu, mem=cluster.memory, **gpu),
         limits=Resources(mem=cluster.memory, **gpu),
-        environment={RESOLVED_CONFIG_ENV: config.to_json()},
+        environment={RESOLVED_CONFIG_ENV: config.to_json(), SHARED_STORE_ENV: "1"},
         retries=config.flyte.retries,
         enable_deck=True,
     )

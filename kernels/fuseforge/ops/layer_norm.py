@@ -63,6 +63,7 @@ def _layer_norm_bwd_kernel(
     n_rows, n_cols, stride_x, stride_dy, tiles_per_program,
     HAS_WEIGHT: tl.constexpr, STORE_DX: tl.constexpr, STORE_DW: tl.constexpr, STORE_DB: tl.constexpr,
     COMPUTE: tl.constexpr, EMULATE_RNE: tl.constexpr, ROW_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * w; partial
     dw = sum dy * xhat and db = sum dy over this program's rows."""
@@ -73,7 +74,7 @@ def _layer_norm_bwd_kernel(
         w = tl.load(W + cols, mask=col_mask, other=0.0).to(COMPUTE)
     dw_acc = tl.zeros([BLOCK_N], dtype=COMPUTE)
     db_acc = tl.zeros([BLOCK_N], dtype=COMPUTE)
-    for t in range(tiles_per_program):
+    for t in tl.range(0, tiles_per_program, num_stages=NUM_STAGES):
         rows = (pid * tiles_per_program + t) * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)
@@ -152,7 +153,7 @@ class _LayerNormFunction(torch.autograd.Function):
             n_rows, n_cols, x_rows.stride(0), dy_rows.stride(0), plan.tiles_per_program,
             HAS_WEIGHT=weight is not None, STORE_DX=need_dx, STORE_DW=need_dw, STORE_DB=need_db,
             COMPUTE=tl_compute, EMULATE_RNE=is_interpreter(),
-            ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+            ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps,
         )
         dx = dx.view(ctx.x_shape) if need_dx else None
         dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None

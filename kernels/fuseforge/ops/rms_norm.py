@@ -87,6 +87,7 @@ def _rms_norm_bwd_kernel(
     n_rows, n_cols, stride_x, stride_dy, stride_ds, tiles_per_program, offset,
     HAS_DS: tl.constexpr, STORE_DX: tl.constexpr, STORE_DW: tl.constexpr, ROUND_NORMED: tl.constexpr,
     COMPUTE: tl.constexpr, EMULATE_RNE: tl.constexpr, ROW_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """dx = rstd * (g - normed * mean(g * normed)) with g = dy * (offset + w), plus the
     new-residual gradient DS when fused; dw partial = sum over this program's rows of dy * normed."""
@@ -95,7 +96,7 @@ def _rms_norm_bwd_kernel(
     col_mask = cols < n_cols
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(COMPUTE) + offset
     dw_acc = tl.zeros([BLOCK_N], dtype=COMPUTE)
-    for t in range(tiles_per_program):
+    for t in tl.range(0, tiles_per_program, num_stages=NUM_STAGES):
         rows = (pid * tiles_per_program + t) * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
         row_mask = rows < n_rows
         rows64 = rows.to(tl.int64)
@@ -191,7 +192,7 @@ def _rms_norm_backward(ctx, source, weight, rstd, dy, d_new_residual, need_dx, n
         HAS_DS=d_new_residual is not None, STORE_DX=need_dx, STORE_DW=need_dw,
         ROUND_NORMED=ctx.casting == "llama" and source.dtype != torch_compute,
         COMPUTE=tl_compute, EMULATE_RNE=is_interpreter(),
-        ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps,
     )
     dx = dx.view(ctx.x_shape) if need_dx else None
     dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None

@@ -32,6 +32,8 @@ from fuseforge.ops.utils import (
 
 # Elements of one half-head tile ([tokens, heads, Dr/2]) a program keeps live.
 _GPU_TILE = 2048
+# Half-tile elements per thread (sets num_warps); each thread holds this many of x1 and of x2.
+_GPU_ELEMENTS_PER_THREAD = 16
 # The interpreter pays per program and per op, not per element: use big tiles.
 _INTERPRETER_TILE = 32768
 
@@ -139,7 +141,7 @@ def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool) -> Non
     block_hk = min(triton.next_power_of_2(n_k_heads), heads_per_tile)
     block_t = max(1, tile // (block_hq * block_half))
     block_t = min(block_t, triton.next_power_of_2(n_rows))
-    num_warps = 4 if block_t * block_hq * block_half <= 2048 else 8
+    num_warps = min(16, max(1, block_t * block_hq * block_half // (32 * _GPU_ELEMENTS_PER_THREAD)))
     cos_batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
     sin_batch_stride = sin.stride(0) if sin.shape[0] > 1 else 0
     grid = (triton.cdiv(n_rows, block_t),)

@@ -20,6 +20,11 @@ from fuseforge.ops.utils import MAX_FUSED_SIZE, is_interpreter, num_programs_hin
 # GPU: a tile holds about this many elements (one 4096-wide row, four 1024-wide rows, ...).
 GPU_TILE_ELEMENTS = 4096
 GPU_MAX_ROW_BLOCK = 32
+# Elements per thread per tensor: 16 bf16 = two 16-byte loads, few enough registers for several programs per SM.
+GPU_ELEMENTS_PER_THREAD = 16
+# Persistent backward: resident programs per SM, and loop stages so the next tile's loads overlap this tile's math.
+GPU_BWD_PROGRAMS_PER_SM = 4
+GPU_BWD_STAGES = 2
 # Interpreter: ~3.5 ms per program instance, while a tile's cost barely grows with its rows,
 # so tiles are as tall as this (NOTES: 64 rows per program is ~20x faster than one).
 INTERPRETER_ROW_BLOCK = 64
@@ -33,6 +38,7 @@ class RowTiling:
     num_warps: int
     num_programs: int
     tiles_per_program: int
+    num_stages: int = 1
 
 
 def plan_row_tiles(n_rows: int, n_cols: int, device: torch.device, *, persistent: bool) -> RowTiling:
@@ -50,19 +56,22 @@ def plan_row_tiles(n_rows: int, n_cols: int, device: torch.device, *, persistent
     if is_interpreter():
         row_block = min(INTERPRETER_ROW_BLOCK, triton.next_power_of_2(max(n_rows, 1)))
         row_block = max(1, min(row_block, INTERPRETER_MAX_TILE_ELEMENTS // block_n))
+        num_warps = row_launch_config(row_block * block_n)[1]
     else:
         row_block = max(1, min(GPU_MAX_ROW_BLOCK, GPU_TILE_ELEMENTS // block_n))
-    _, num_warps = row_launch_config(row_block * block_n)
+        num_warps = min(32, max(1, triton.next_power_of_2(row_block * block_n // (32 * GPU_ELEMENTS_PER_THREAD))))
     n_tiles = triton.cdiv(max(n_rows, 1), row_block)
     num_programs = n_tiles
+    num_stages = 1
     if persistent:
-        # Enough programs to fill each SM's threads at about half occupancy (registers
-        # rarely allow more for these tiles), each looping over an equal share of tiles.
-        per_sm = 1 if is_interpreter() else max(1, 32 // num_warps)
+        # A few resident programs per SM, each looping over an equal share of tiles, so
+        # that the [programs, N] partial sums stay small.
+        per_sm = 1 if is_interpreter() else GPU_BWD_PROGRAMS_PER_SM
         num_programs = min(n_tiles, num_programs_hint(device) * per_sm)
+        num_stages = 1 if is_interpreter() else GPU_BWD_STAGES
     tiles_per_program = triton.cdiv(n_tiles, num_programs)
     num_programs = triton.cdiv(n_tiles, tiles_per_program)
-    return RowTiling(block_n, row_block, num_warps, num_programs, tiles_per_program)
+    return RowTiling(block_n, row_block, num_warps, num_programs, tiles_per_program, num_stages)
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:

@@ -214,7 +214,8 @@ class CheckpointManager:
         if self.ctx.is_main:
             self._prune()
         self.ctx.barrier()
-        log.info("saved checkpoint %s", self.store.path(name))
+        if self.ctx.is_main:
+            log.info("saved checkpoint %s", self.store.path(name))
 
     def _marker(self, step: int, files: Dict[str, int]) -> Dict:
         return {"step": step, "strategy": self.strategy.name, "world_size": self.ctx.world_size,
@@ -276,9 +277,10 @@ class CheckpointManager:
                 if self.ctx.is_main:
                     for failed in failures:
                         self._mark_skipped(failed)
-                log.info("resumed from checkpoint %s", self.store.path(entry.name))
+                    log.info("resumed from checkpoint %s", self.store.path(entry.name))
                 return state
-            log.warning("skipping checkpoint %s: %s", self.store.path(entry.name), reason)
+            if self.ctx.is_main:
+                log.warning("skipping checkpoint %s: %s", self.store.path(entry.name), reason)
             failures.append(f"{entry.name}: {reason}")
         if complete:
             detail = "; ".join(failures) or "all were marked SKIPPED by an earlier attempt"
@@ -343,6 +345,8 @@ class CheckpointManager:
                             self.ctx.rank, entry.name)
         except Exception as err:  # noqa: BLE001 - any load failure means "try the previous checkpoint"
             reason = f"loading failed on rank {self.ctx.rank} ({type(err).__name__}: {err})"
+            if not self.ctx.is_main:
+                log.warning("checkpoint %s: %s", entry.name, reason)
         finally:
             if staging:
                 shutil.rmtree(staging, ignore_errors=True)

@@ -3,10 +3,18 @@
 torchrun / the kfpytorch Elastic plugin start one process per device and export
 RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT and TORCHELASTIC_RESTART_COUNT.
 A single process without them is world size 1.
+
+Restarts: torch >= 2.5's c10d rendezvous shares the agent's TCPStore with the
+workers and keeps it across restart rounds, so a restarted worker can read the
+dead attempt's connection keys and fail to connect (pytorch/pytorch#135712; still
+so in torch 2.13). Launch the agent with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (a
+fresh store each round): `run_local` does, and Flyte Elastic tasks must set it in
+the task environment. The engine warns when a restarted worker sees a shared store.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 _TIMEOUT = timedelta(minutes=30)  # checkpoint uploads and first-step compiles can be slow
 
 
@@ -66,6 +75,10 @@ class DistContext:
             device, backend = torch.device("cuda", local_rank), "nccl"
         else:
             device, backend = torch.device("cpu"), "gloo"
+        if _env_int("TORCHELASTIC_RESTART_COUNT", 0) > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            logging.getLogger("fuseforge.training").warning(
+                "restarted worker on a shared rendezvous store: if joining the process group fails, launch the "
+                "elastic agent with %s=1 (pytorch/pytorch#135712)", SHARED_STORE_ENV)
         owns = False
         if (world > 1 or need_group) and not dist.is_initialized():
             kwargs: dict = {"backend": backend, "timeout": _TIMEOUT}

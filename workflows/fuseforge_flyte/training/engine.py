@@ -32,11 +32,12 @@ class NonFiniteLossError(FloatingPointError):
     """The loss of a step was NaN/inf and nonfinite_policy is "raise"."""
 
 
-def _apply_kernels(model: torch.nn.Module) -> torch.nn.Module:
+def _apply_kernels(model: torch.nn.Module) -> None:
+    """Patch the model in place with fuseforge's kernels (norms, RoPE, gated MLP, fused loss)."""
     from fuseforge.transformers import apply_kernels  # lazy: the kernels need triton
 
-    patched = apply_kernels(model)
-    return model if patched is None else patched
+    report = apply_kernels(model)
+    log.info("fuseforge kernels: %s", report.summary() if hasattr(report, "summary") else report)
 
 
 def _fingerprint(model: torch.nn.Module) -> Dict[str, list]:
@@ -51,7 +52,7 @@ class _Run:
         self.ctx = ctx
         model = build_model(spec.model, seed=spec.seed, device=ctx.device)
         if spec.kernels:
-            model = _apply_kernels(model)
+            _apply_kernels(model)
         if spec.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.vocab_size = model.config.vocab_size

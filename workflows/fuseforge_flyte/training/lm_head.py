@@ -1,13 +1,14 @@
 """Guard for fused linear cross-entropy under sharding: the loss must see the full lm_head weight.
 
-The fused loss reads ``lm_head.weight`` directly inside the causal LM's forward
-instead of calling ``lm_head(hidden)``. Under FSDP2 that weight is a DTensor shard
-outside the forward of its FSDP unit, and under ZeRO-3 it is an empty placeholder
-until a module hook gathers it: reading it there would silently compute the loss
-against garbage. The engine keeps lm_head in the root FSDP unit (gathered while the
-root forward runs) and registers it as an external parameter of the root module
-for ZeRO-3; this guard checks, at the start of every root forward (after the
-wrappers' own pre-forward hooks), that the weight really is whole.
+The fused loss computes logits-free cross-entropy from ``lm_head.weight`` inside
+the (patched) lm_head forward. Under FSDP2 that weight is a DTensor shard outside
+the forward of its FSDP unit, and under ZeRO-3 an empty placeholder until a module
+hook gathers it: a loss reading it at the wrong moment would compute against
+garbage. The engine keeps lm_head in the root FSDP unit (gathered for the whole root
+forward) and, for ZeRO-3, registers the weight as an external parameter of the
+causal LM so it is also gathered for the root's backward, where the fused loss's
+weight gradient arrives. This guard checks, each time lm_head runs and after the
+wrappers' own pre-forward hooks, that the weight really is whole.
 """
 
 from __future__ import annotations
@@ -27,17 +28,16 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def check_full_lm_head(model: torch.nn.Module) -> None:
-    """Raise PartitionedWeightError unless model's lm_head weight is the full [vocab, hidden] matrix."""
-    head = model.get_output_embeddings()
+def check_full_weight(head: torch.nn.Module) -> None:
+    """Raise PartitionedWeightError unless `head.weight` is the full [out_features, in_features] matrix."""
     weight = head.weight
-    expected = (head.out_features, head.in_features)
+    expected = (getattr(head, "out_features", None), getattr(head, "in_features", None))
     problem = None
     if _is_dtensor(weight):
         problem = f"a DTensor shard (local shape {tuple(weight.to_local().shape)})"
     elif weight.numel() == 0:
         problem = "an empty placeholder (numel 0): the parameter is partitioned"
-    elif tuple(weight.shape) != expected:
+    elif None not in expected and tuple(weight.shape) != expected:
         problem = f"shaped {tuple(weight.shape)}"
     if problem is not None:
         raise PartitionedWeightError(
@@ -48,6 +48,16 @@ def check_full_lm_head(model: torch.nn.Module) -> None:
         )
 
 
+def check_full_lm_head(model: torch.nn.Module) -> None:
+    """check_full_weight on the model's output embedding (lm_head)."""
+    check_full_weight(model.get_output_embeddings())
+
+
 def install_lm_head_guard(model: torch.nn.Module):
-    """Check the lm_head weight at the start of each forward of `model` (hooks registered later run later)."""
-    return model.register_forward_pre_hook(lambda module, args: check_full_lm_head(module))
+    """Check lm_head's weight each time lm_head runs, after the wrappers' own pre-forward hooks.
+
+    fuseforge's fused loss reads the weight inside lm_head's forward, so this sees
+    exactly what the loss will read (hooks run in registration order, and FSDP2 and
+    ZeRO-3 registered theirs when the model was wrapped).
+    """
+    return model.get_output_embeddings().register_forward_pre_hook(lambda head, args: check_full_weight(head))

@@ -7,12 +7,14 @@ newest checkpoint.
 
 from __future__ import annotations
 
+import os
 import socket
 import uuid
 from typing import Dict, Optional
 
 import torch
 
+from fuseforge_flyte.training.distributed import SHARED_STORE_ENV
 from fuseforge_flyte.training.engine import train
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 
@@ -33,6 +35,8 @@ def run_local(spec: TrainSpec, nproc: int = 2, *, max_restarts: int = 0, start_m
               threads_per_worker: Optional[int] = 1) -> Dict[int, TrainMetrics]:
     """Train `spec` on `nproc` local workers; {rank: metrics} of the last (successful) attempt.
 
+    The agent gets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see distributed.py: restarts
+    with the shared rendezvous store can read the dead attempt's addresses).
     start_method "fork" starts in a fraction of a second but needs a parent that has
     not initialised CUDA; "spawn" re-imports torch/transformers in each worker.
     """
@@ -44,4 +48,12 @@ def run_local(spec: TrainSpec, nproc: int = 2, *, max_restarts: int = 0, start_m
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=max_restarts,
         start_method=start_method, monitor_interval=0.1,
     )
-    return elastic_launch(config, _worker)(spec, threads_per_worker)
+    previous = os.environ.get(SHARED_STORE_ENV)
+    os.environ[SHARED_STORE_ENV] = "1"
+    try:
+        return elastic_launch(config, _worker)(spec, threads_per_worker)
+    finally:
+        if previous is None:
+            os.environ.pop(SHARED_STORE_ENV, None)
+        else:
+            os.environ[SHARED_STORE_ENV] = previous

@@ -142,10 +142,10 @@ def model_flops(model: torch.nn.Module, seq_len: int) -> ModelFlops:
     Activation recomputation is not counted (model FLOPs, not hardware FLOPs).
     """
     config = model.config
-    num_params = sum(p.numel() for p in model.parameters())
-    embed = model.get_input_embeddings().weight.numel()
-    head = model.get_output_embeddings().weight.numel()
-    matmul = num_params - embed + head
+    num_params = sum(p.numel() for p in model.parameters())  # a tied weight is yielded once
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    matmul = num_params - embed.numel() + (head.numel() if head is embed else 0)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     attn = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim * seq_len
     return ModelFlops(num_params, matmul, float(6 * matmul + attn))

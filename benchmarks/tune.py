@@ -1,0 +1,157 @@
+"""Launch-constant sweep for the per-op kernels, in one process on the GPU.
+
+    python benchmarks/tune.py [--op rms_norm ...] [--profile]
+
+For each op at its headline shape (benchmarks/run.py), every variant of the module
+constants below is patched in, compiled, checked (forward output and every leaf
+gradient against eager) and timed forward+backward (median do_bench, like run.py).
+`--profile` also prints each kernel's device time per step and the host time per
+step (queued behind a long sleep kernel, so it is pure launch/Python cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run  # noqa: E402
+from common import fwd_bwd, time_ms  # noqa: E402
+
+from fuseforge.ops import cross_entropy, glu, rope, rowwise  # noqa: E402
+
+ROWWISE = {
+    "GPU_ELEMENTS_PER_THREAD": [8, 16, 32],
+    "GPU_BWD_PROGRAMS_PER_SM": [2, 4, 8],
+    "GPU_BWD_STAGES": [1, 2],
+}
+GRIDS = {
+    "rms_norm": (rowwise, ROWWISE),
+    "fused_add_rms_norm": (rowwise, ROWWISE),
+    "layer_norm": (rowwise, ROWWISE),
+    "swiglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}),
+    "geglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}),
+    "rope": (rope, {"_GPU_TILE": [1024, 2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [4, 8, 16, 32]}),
+    "cross_entropy": (
+        cross_entropy,
+        {
+            "FUSED_PATH": [True, False],
+            "FUSED_L2_BYTES": [0, 48 << 20],
+            "FUSED_BLOCK_V": [16384, 32768],
+            "FUSED_WARPS": [16, 32],
+            "FUSED_STAGES": [1, 2],
+        },
+    ),
+}
+
+
+def grads_of(case, impl):
+    fn = fwd_bwd(case.impls[impl], case.leaves)
+    fn()
+    torch.cuda.synchronize()
+    return [t.grad.float().clone() for t in case.leaves if t.grad is not None]
+
+
+def rel_err(got, ref):
+    return max(float((g - r).abs().max()) / max(float(r.abs().max()), 1e-6) for g, r in zip(got, ref))
+
+
+def host_ms(fn, steps=10):
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time: every launch below waits in the queue
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / steps * 1e3
+
+
+def python_profile(fn, steps=20):
+    """Where the host time of a step goes (Python functions, launches included)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(10)
+
+
+def profile(fn, steps=5):
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    fn()
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append((t / steps, e.count // steps, e.key[:70]))
+    return sorted(rows, reverse=True)[:8]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--op", action="append", choices=sorted(GRIDS))
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args()
+    torch._dynamo.config.cache_size_limit = 256
+    summary = []
+    for op in args.op or list(GRIDS):
+        builder, shape, _ = run.OPS[op]
+        torch.manual_seed(0)
+        case = builder(*shape, torch.bfloat16, "cuda")
+        ref = grads_of(case, "eager")
+        module, grid = GRIDS[op]
+        names = list(grid)
+        defaults = {n: getattr(module, n) for n in names}
+        fn = fwd_bwd(case.impls["fuseforge"], case.leaves)
+        if args.profile:
+            for _ in range(5):
+                fn()
+            print(f"\n### {op} {case.shape}: host {host_ms(fn):.3f} ms/step; kernels (us/step, calls/step):")
+            for us, calls, name in profile(fn):
+                print(f"  {us:9.1f} {calls:3d}  {name}")
+            python_profile(fn)
+        results = []
+        for values in itertools.product(*grid.values()):
+            setting = dict(zip(names, values))
+            for n, v in setting.items():
+                setattr(module, n, v)
+            try:
+                err = rel_err(grads_of(case, "fuseforge"), ref)
+                ms = time_ms(fn)
+            except Exception as exc:  # noqa: BLE001 - a variant that fails to compile is just skipped
+                print(f"{op} {setting} failed: {type(exc).__name__}: {str(exc)[:100]}")
+                continue
+            results.append((ms, err, setting))
+            print(f"{op} {setting} {ms:.3f} ms grad rel err {err:.1e}", flush=True)
+        for n, v in defaults.items():
+            setattr(module, n, v)
+        results.sort(key=lambda r: r[0])
+        default_ms = next((r[0] for r in results if r[2] == defaults), float("nan"))
+        if results:
+            summary.append((op, case.shape, default_ms, results[0][0], results[0][1], results[0][2]))
+        del case, ref
+        torch.cuda.empty_cache()
+    print("\n| op | shape | default ms | best ms | grad rel err | best setting |\n|---|---|---|---|---|---|")
+    for op, shape, d, b, e, s in summary:
+        print(f"| {op} | {shape} | {d:.3f} | {b:.3f} | {e:.1e} | {s} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,282 @@
+"""The patching machinery: in-place swaps, exact unpatch, idempotence, class-level and Auto
+patching, RoPE scoping, unknown model types, flag validation, save/load round trips."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+
+import pytest
+import torch
+from tolerances import assert_close
+
+transformers = pytest.importorskip("transformers")
+
+from test_transformers_tiny_models import (  # noqa: E402
+    COMMON,
+    single_thread,  # noqa: F401 - autouse fixture
+    synthetic_batches,
+    tiny_config,
+    tiny_model,
+)
+
+import fuseforge.transformers as ff  # noqa: E402
+from fuseforge.transformers import rope as rope_patch  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
+
+FP32 = torch.float32
+ORIGINAL_LLAMA_ROPE = modeling_llama.apply_rotary_pos_emb
+
+
+def _quiet_apply(model, **flags):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return ff.apply_kernels(model, **flags)
+
+
+def _outputs(model, batch):
+    """Training loss, its gradients, and eval logits: everything a patch could change."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads, logits
+
+
+@pytest.fixture
+def rope_calls(monkeypatch):
+    """Counts fused RoPE kernel calls (the dispatcher looks `rope` up in its module)."""
+    calls = []
+    original = rope_patch.rope
+    monkeypatch.setattr(rope_patch, "rope", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+def test_patch_keeps_weights_and_unpatch_restores_bit_exact_behaviour():
+    ref = tiny_model("llama")
+    model = copy.deepcopy(ref)
+    params_before = {n: p for n, p in model.named_parameters()}
+    expected = _outputs(ref, batch := synthetic_batches(1)[0])
+
+    report = ff.apply_kernels(model)
+    assert ff.is_patched(model) and ff.get_patch_report(model) is report
+    assert {n: p for n, p in model.named_parameters()} == params_before  # the same Parameter objects
+    assert model.lm_head.weight is params_before["lm_head.weight"]
+    assert modeling_llama.apply_rotary_pos_emb is not ORIGINAL_LLAMA_ROPE
+    patched_loss, _, patched_logits = _outputs(model, batch)
+    assert_close(patched_loss, expected[0], FP32)
+    assert_close(patched_logits, expected[2], FP32)
+
+    assert ff.unpatch(model) is True
+    assert ff.unpatch(model) is False  # nothing left to undo
+    for (name, module), (_, original) in zip(model.named_modules(), ref.named_modules()):
+        assert type(module) is type(original), name
+        assert "forward" not in module.__dict__ and "_loss_function" not in module.__dict__, name
+        assert not [a for a in module.__dict__ if a.startswith("_fuseforge")], name
+    assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_LLAMA_ROPE
+    loss, grads, logits = _outputs(model, batch)
+    assert torch.equal(loss, expected[0]) and torch.equal(logits, expected[2])
+    assert all(torch.equal(grads[n], expected[1][n]) for n in grads)
+
+
+def test_patching_twice_is_harmless_and_new_flags_repatch():
+    model = tiny_model("llama")
+    first = ff.apply_kernels(model)
+    assert ff.apply_kernels(model) is first  # same flags: no-op
+    norm = model.model.norm
+    assert [c.__name__ for c in type(norm).__mro__].count("FusedLlamaRMSNorm") == 1
+    assert type(norm).__mro__[1].__name__ == "LlamaRMSNormMixin" and type(norm).__mro__[2] is modeling_llama.LlamaRMSNorm
+
+    second = ff.apply_kernels(model, rope=False, swiglu=False)
+    assert second is not first and "rope" not in second.patched and "swiglu" not in second.patched
+    assert type(model.model.layers[0].self_attn) is modeling_llama.LlamaAttention
+    assert type(model.model.layers[0].mlp) is modeling_llama.LlamaMLP
+    assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_LLAMA_ROPE  # the last RoPE user is gone
+    ff.unpatch(model)
+
+    nothing = ff.apply_kernels(model, **{flag: False for flag in ff.DEFAULT_FLAGS})
+    assert nothing.patched == {} and all(type(m).__name__.startswith("Fused") is False for m in model.modules())
+    ff.unpatch(model)
+
+
+def test_rope_dispatch_is_scoped_to_patched_models(rope_calls):
+    plain = tiny_model("llama").eval()
+    batch = synthetic_batches(1)[0]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with torch.no_grad():
+        before = plain(input_ids=ids, attention_mask=mask).logits
+    first, second = tiny_model("llama").eval(), tiny_model("llama").eval()
+    ff.apply_kernels(first)
+    ff.apply_kernels(second)
+    try:
+        with torch.no_grad():
+            after = plain(input_ids=ids, attention_mask=mask).logits  # same family, not patched
+            assert rope_calls == []
+            first(input_ids=ids, attention_mask=mask)
+        assert torch.equal(after, before)
+        assert len(rope_calls) == first.config.num_hidden_layers
+        ff.unpatch(first)
+        assert modeling_llama.apply_rotary_pos_emb is not ORIGINAL_LLAMA_ROPE  # `second` still uses it
+    finally:
+        ff.unpatch(first)
+        ff.unpatch(second)
+    assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_LLAMA_ROPE
+
+
+def test_deep_copy_of_a_patched_model_is_patched_and_independent(rope_calls):
+    model = tiny_model("llama").eval()
+    ff.apply_kernels(model)
+    clone = copy.deepcopy(model)
+    ff.unpatch(model)  # drops the last registered RoPE user: the global goes back
+    assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_LLAMA_ROPE
+    assert type(clone.model.norm).__name__ == "FusedLlamaRMSNorm" and ff.is_patched(clone)
+    assert clone.forward.__self__ is clone  # the fused forward is bound to the copy, not the original
+    with torch.no_grad():
+        clone(input_ids=synthetic_batches(1)[0]["input_ids"])  # re-installs the dispatcher on demand
+    assert len(rope_calls) == clone.config.num_hidden_layers
+    ff.unpatch(clone)
+    assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_LLAMA_ROPE
+
+
+def test_class_patch_applies_to_instances_built_later():
+    config = tiny_config("qwen2")
+    cls = transformers.Qwen2ForCausalLM
+    original_init = cls.__init__
+    report = ff.apply_kernels(cls, rope=False)
+    try:
+        assert report.target == "class Qwen2ForCausalLM" and report.family == "qwen2"
+        assert ff.apply_kernels(cls, rope=False) is report  # idempotent on classes too
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        instance_report = ff.get_patch_report(model)
+        assert instance_report is not None and instance_report.flags["rope"] is False
+        assert type(model.model.norm).__name__ == "FusedQwen2RMSNorm"
+        assert type(model.model.layers[0].self_attn).__name__ == "Qwen2Attention"
+        assert cls.__init__ is not original_init
+        assert inspect.signature(cls.__init__) == inspect.signature(original_init)
+    finally:
+        assert ff.unpatch(cls) is True
+    assert cls.__init__ is original_init
+    assert not ff.is_patched(transformers.AutoModelForCausalLM.from_config(config))
+    assert ff.is_patched(model)  # instances keep their patch until unpatched themselves
+    ff.unpatch(model)
+
+
+def test_auto_class_and_save_load_round_trip(tmp_path):
+    model = ff.AutoFusedModelForCausalLM.from_config(tiny_config("llama"), swiglu=False)
+    report = ff.get_patch_report(model)
+    assert report.family == "llama" and "swiglu" not in report.patched and report.patched["rms_norm"]
+    model.save_pretrained(tmp_path)  # a patched model saves exactly like the original
+    saved = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert saved.architectures == ["LlamaForCausalLM"]
+
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    loaded = ff.AutoFusedModelForCausalLM.from_pretrained(tmp_path)
+    assert ff.is_patched(loaded) and not ff.is_patched(plain)
+    assert ff.get_patch_report(loaded).patched["swiglu"]  # default flags this time
+    for (name, p_loaded), (_, p_model) in zip(loaded.named_parameters(), model.named_parameters()):
+        assert torch.equal(p_loaded, p_model), name
+    with pytest.raises(OSError, match="from_pretrained"):
+        ff.AutoFusedModelForCausalLM()
+    ff.unpatch(model)
+    ff.unpatch(loaded)
+
+
+@pytest.mark.parametrize(
+    "model_type, patched, not_patched",
+    [
+        ("granite", {"rms_norm", "rope", "swiglu"}, {"fused_linear_cross_entropy"}),  # llama-like, scaled logits
+        ("starcoder2", {"layer_norm", "rope"}, {"fused_linear_cross_entropy"}),  # nn.LayerNorm + GELU MLP
+    ],
+)
+def test_unknown_model_type_warns_and_fuses_only_recognised_code(model_type, patched, not_patched):
+    config = transformers.AutoConfig.for_model(model_type, **COMMON)
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    model = copy.deepcopy(ref)
+    with pytest.warns(UserWarning, match=f"model type '{model_type}'.*not a supported") as record:
+        report = ff.apply_kernels(model)
+    message = str(record[0].message)
+    for kernel in not_patched:
+        assert f"{kernel}: NOT patched" in message
+    assert set(report.patched_kernels()) == patched and not report.supported
+    ids = synthetic_batches(1)[0]["input_ids"]
+    with torch.no_grad():
+        assert_close(model(input_ids=ids).logits, ref(input_ids=ids).logits, FP32)
+    ff.unpatch(model)
+
+
+def test_code_that_differs_is_left_alone():
+    """Olmo2's RMSNorm multiplies before casting and its RoPE upcasts: not the kernels' semantics."""
+    config = transformers.AutoConfig.for_model("olmo2", **COMMON)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.warns(UserWarning, match="Olmo2RMSNorm: implementation not recognised"):
+        report = ff.apply_kernels(model)
+    assert "rms_norm" not in report.patched and "rope" not in report.patched
+    assert any("apply_rotary_pos_emb" in reason for reason in report.skipped["rope"])
+    assert all(type(m).__name__ == "Olmo2RMSNorm" for m in model.modules() if "RMSNorm" in type(m).__name__)
+    assert report.patched["swiglu"]  # its MLP is the standard one
+    ff.unpatch(model)
+
+
+def test_bad_arguments_are_rejected_with_clear_errors():
+    model = tiny_model("qwen2")
+    with pytest.raises(TypeError, match="unknown kernel flag 'flash'"):
+        ff.apply_kernels(model, flash=True)
+    with pytest.raises(TypeError, match="rms_norm must be a bool"):
+        ff.apply_kernels(model, rms_norm="yes")
+    with pytest.raises(TypeError, match="nn.Module"):
+        ff.apply_kernels("meta-llama/Llama-3.2-1B")
+    with pytest.raises(TypeError, match="nn.Module"):
+        ff.apply_kernels(dict)
+    with pytest.raises(ValueError, match=r"apply_kernels_to_llama expects .*'qwen2'"):
+        ff.apply_kernels_to_llama(model)
+    assert not ff.is_patched(model)
+    assert ff.apply_kernels_to_qwen2(model).family == "qwen2"
+    ff.unpatch(model)
+
+
+def test_patched_context_manager_restores_the_previous_state():
+    model = tiny_model("mistral")
+    with ff.patched(model) as report:
+        assert ff.is_patched(model) and report.patched["rope"]
+    assert not ff.is_patched(model) and type(model.model.norm).__name__ == "MistralRMSNorm"
+
+    ff.apply_kernels(model, rope=False)
+    with ff.patched(model, rms_norm=False):
+        assert type(model.model.norm).__name__ == "MistralRMSNorm"
+    assert ff.get_patch_report(model).flags["rope"] is False  # the outer patch is back
+    assert type(model.model.norm).__name__ == "FusedMistralRMSNorm"
+    ff.unpatch(model)
+
+
+def test_forward_signature_is_kept_for_trainer_column_selection():
+    model = tiny_model("phi3")
+    before = inspect.signature(model.forward)
+    ff.apply_kernels(model)
+    assert "forward" in model.__dict__  # the fused loss forward, bound to this instance
+    assert inspect.signature(model.forward) == before
+    assert "labels" in before.parameters and "input_ids" in before.parameters
+    ff.unpatch(model)
+
+
+def test_custom_loss_function_is_respected():
+    model = tiny_model("llama").train()
+    ff.apply_kernels(model)
+    seen = []
+
+    def my_loss(logits, labels, vocab_size, **kwargs):
+        seen.append(logits.shape)
+        return logits.float().square().mean()
+
+    model.loss_function = my_loss
+    batch = synthetic_batches(1)[0]
+    with pytest.warns(RuntimeWarning, match="custom loss_function"):
+        out = model(**batch)
+    assert seen == [(2, 24, model.config.vocab_size)] and out.logits is not None
+    ff.unpatch(model)
+    assert model.loss_function is my_loss  # the user's, not removed by unpatch
