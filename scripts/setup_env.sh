@@ -13,6 +13,7 @@ PY="$VENV/bin/python"
 if ! "$PY" -c "import fuseforge, fuseforge_flyte, flytekit, pytest" >/dev/null 2>&1 || [ "${FUSEFORGE_REINSTALL:-0}" = 1 ]; then
     "$PY" -m pip install -q --upgrade pip
     "$PY" -m pip install -q "$TORCH_SPEC"
-    "$PY" -m pip install -q -e "$ROOT[dev]"
+    # DeepSpeed: no CUDA/C++ ops at install time (they JIT-compile on first use, if ever).
+    DS_BUILD_OPS=0 "$PY" -m pip install -q -e "$ROOT[dev]"
 fi
 echo "$VENV"

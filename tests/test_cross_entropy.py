@@ -204,7 +204,9 @@ def test_bad_options(kwargs, error, match):
         (torch.randn(3, 5, device="meta"), torch.zeros(3, dtype=torch.long, device="meta"), ValueError, "CUDA"),
     ],
 )
-def test_bad_inputs(logits, target, error, match):
+def test_bad_inputs(logits, target, error, match, device):
+    if logits.device.type != "meta":
+        logits, target = logits.to(device), target.to(device)
     with pytest.raises(error, match=match):
         cross_entropy(logits, target)
 
@@ -229,8 +231,8 @@ def test_strided_and_one_dimensional_logits():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_fused_gradient_unit_upstream_and_second_backward(reduction, device):
-    """The fused path's gradient for grad_output = 1 (no rescale) and again after retain_graph."""
+def test_unit_upstream_and_second_backward(reduction, device):
+    """The gradient for grad_output = 1, and again (scaled) from a retained graph."""
     logits = torch.randn(9, 300, device=device) * 3
     target = random_targets(9, 300).to(device)
     x = logits.clone().requires_grad_()

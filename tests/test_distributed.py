@@ -12,6 +12,7 @@ inference all-reduce, so these tests replace its builder with "not available"
 """
 
 import importlib
+import math
 import os
 
 import pytest
@@ -72,9 +73,11 @@ def reference():
     ("ddp", {}),
     ("ddp", {"grad_accum": 2}),
     ("fsdp", {}),
+    ("fsdp", {"kernels": True}),  # fused linear CE with lm_head in the sharded root unit
     ("deepspeed", {"zero_stage": 2}),
     ("deepspeed", {"zero_stage": 3}),
-], ids=["ddp", "ddp-accum", "fsdp", "zero2", "zero3"])
+    ("deepspeed", {"zero_stage": 3, "kernels": True}),  # fused linear CE with a ZeRO-3 partitioned lm_head
+], ids=["ddp", "ddp-accum", "fsdp", "fsdp-kernels", "zero2", "zero3", "zero3-kernels"])
 def test_two_processes_match_single_process(reference, strategy, extra, request):
     if strategy == "deepspeed":
         request.getfixturevalue("deepspeed_on_cpu")
@@ -87,6 +90,8 @@ def test_two_processes_match_single_process(reference, strategy, extra, request)
         torch.testing.assert_close(metrics.loss_curve, reference.loss_curve, rtol=2e-5, atol=2e-5)
     assert results[0].loss_curve == results[1].loss_curve
     assert results[0].loss_curve[-1] < results[0].loss_curve[0]
+    if extra.get("kernels"):  # the unfused reference: fused kernels + sharding change nothing numerically
+        assert "fused_linear_cross_entropy" in results[0].kernels_patched
     assert results[0].tokens_per_s > 0 and results[0].peak_memory_gib > 0
 
 
@@ -106,14 +111,20 @@ def test_elastic_restart_resumes_and_matches_unkilled_run(tmp_path, monkeypatch)
     assert sorted(os.listdir(tmp_path / "killed")) == ["progress.json", "step_00000006", "step_00000007"]
 
 
-def test_nonfinite_skip_is_agreed_by_all_ranks(monkeypatch):
-    """NaN on rank 1 only: both ranks skip the step (DDP would otherwise hang or diverge)."""
+@pytest.mark.parametrize("strategy,extra", [("ddp", {}), ("fsdp", {}), ("deepspeed", {"zero_stage": 3})],
+                         ids=["ddp", "fsdp", "zero3"])
+def test_nonfinite_skip_is_agreed_by_all_ranks(monkeypatch, request, strategy, extra):
+    """NaN on rank 1 only: every rank skips that step, and training continues as in one process."""
+    if strategy == "deepspeed":
+        request.getfixturevalue("deepspeed_on_cpu")
+    monkeypatch.setenv(NONFINITE_ENV, "0:2")
+    single = train(_spec(steps=5, nonfinite_policy="skip"))
     monkeypatch.setenv(NONFINITE_ENV, "1:2")
-    results = _launch(_spec(strategy="ddp", batch_size=2, nonfinite_policy="skip"))
+    results = _launch(_spec(steps=5, strategy=strategy, batch_size=2, nonfinite_policy="skip", **extra))
     for metrics in results.values():
-        assert metrics.skipped_steps == 1
-        assert metrics.loss_curve[1] != metrics.loss_curve[1]  # NaN marks the skipped step
-        assert all(x == x for i, x in enumerate(metrics.loss_curve) if i != 1)
+        assert metrics.skipped_steps == single.skipped_steps == 1
+        assert math.isnan(metrics.loss_curve[1]) and math.isnan(single.loss_curve[1])
+        torch.testing.assert_close(metrics.loss_curve[2:], single.loss_curve[2:], rtol=2e-5, atol=2e-5)
 
 
 def _fsdp_guard_worker():

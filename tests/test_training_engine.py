@@ -67,6 +67,41 @@ def test_summary_excludes_warmup_and_computes_mfu():
     assert s.tokens_per_s_curve == pytest.approx([200.0, 1000.0, 500.0, 1000 / 3])
 
 
+def test_kernels_patch_the_model_and_match_the_unfused_run():
+    spec = dict(TINY, steps=3, lr=3e-3, model="tiny-gemma2")  # softcapped logits, tied embeddings
+    fused, plain = train(TrainSpec(**{**spec, "kernels": True})), train(TrainSpec(**spec))
+    assert {"rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"} <= set(fused.kernels_patched)
+    assert plain.kernels_patched == []
+    torch.testing.assert_close(fused.loss_curve, plain.loss_curve, rtol=1e-4, atol=1e-4)
+
+
+def test_gradient_checkpointing_recomputes_the_same_numbers():
+    spec = dict(TINY, steps=3, lr=3e-3)
+    ckpt, plain = train(TrainSpec(gradient_checkpointing=True, **spec)), train(TrainSpec(**spec))
+    torch.testing.assert_close(ckpt.loss_curve, plain.loss_curve, rtol=1e-6, atol=1e-6)
+
+
+def test_warmup_cosine_schedule():
+    from fuseforge_flyte.training.optim import MIN_LR_RATIO, WarmupCosine
+
+    f = WarmupCosine(warmup=4, total=20)
+    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert f(4) == 1.0 and f(12) == pytest.approx((1 + MIN_LR_RATIO) / 2) and f(20) == pytest.approx(MIN_LR_RATIO)
+    assert all(f(s) >= f(s + 1) for s in range(4, 25))
+
+
+def test_elastic_environment_is_checked(monkeypatch):
+    from fuseforge_flyte.training.distributed import DistContext
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "2")
+    with pytest.raises(ValueError, match="RANK=2, WORLD_SIZE=2"):
+        DistContext.from_env(need_group=False)
+    monkeypatch.setenv("RANK", "one")
+    with pytest.raises(ValueError, match="RANK='one' is not an integer"):
+        DistContext.from_env(need_group=False)
+
+
 # ---------------------------------------------------------------- non-finite loss
 
 

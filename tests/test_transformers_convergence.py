@@ -22,6 +22,7 @@ from tolerances import assert_close, tol
 transformers = pytest.importorskip("transformers")
 
 from test_transformers_tiny_models import (  # noqa: E402
+    DEVICE,
     FAMILIES,
     patched_copy,
     single_thread,  # noqa: F401 - autouse fixture
@@ -169,12 +170,12 @@ def test_mixtral_grouped_mm_experts_match():
 def test_gradient_accumulation_with_num_items_matches_one_big_batch():
     ref = tiny_model("llama").train()
     fused = _patched(ref).train()
-    big = synthetic_batches(1, batch=4)[0]
+    big = synthetic_batches(1, batch_size=4)[0]
     big["input_ids"][1, -5:] = 0  # a second padded row with a different amount of padding
     big["attention_mask"][1, -5:] = 0
     big["labels"][1, -5:] = -100
     num_items = (big["labels"][:, 1:] != -100).sum()  # what the Trainer passes: shifted, non-ignored
-    total = torch.zeros(())
+    total = torch.zeros((), device=DEVICE)
     for row in range(4):
         micro = {k: v[row : row + 1] for k, v in big.items()}
         loss = fused(**micro, num_items_in_batch=num_items).loss
@@ -296,3 +297,31 @@ def test_sft_example_explains_a_missing_trl():
         pytest.skip("TRL is installed: the guard does not fire")
     with pytest.raises(SystemExit, match="pip install trl datasets"):
         _load_example("sft_trainer")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_bf16_model_is_as_accurate_as_the_original(family):
+    """How models are really trained: bf16 weights and activations through every kernel.
+
+    bf16 rounds every intermediate, so patched and original differ by rounding; both are
+    compared with an fp32 copy of the same weights, and the patched model must be no less
+    accurate than transformers' own bf16 path (up to a small slack).
+    """
+    ref = tiny_model(family).to(torch.bfloat16).train()
+    fused = _patched(ref).train()
+    exact = tiny_model(family).train()  # fp32 model holding the same (bf16-representable) weights
+    exact.load_state_dict({k: v.float() for k, v in ref.state_dict().items()})
+    batch = synthetic_batches(1)[0]
+    outputs = [model(**batch) for model in (fused, ref, exact)]
+    for out in outputs:
+        out.loss.backward()
+    loss_fused, loss_ref, loss_exact = (out.loss.double().item() for out in outputs)
+    assert outputs[0].loss.dtype == torch.float32  # the fused loss is computed and returned in fp32
+    assert abs(loss_fused - loss_exact) <= 2 * abs(loss_ref - loss_exact) + 1e-3
+    named = zip(fused.named_parameters(), ref.parameters(), exact.parameters())
+    for (name, p_fused), p_ref, p_exact in named:
+        assert p_fused.grad.dtype == torch.bfloat16, name
+        truth = p_exact.grad.double()
+        error = (p_fused.grad.double() - truth).norm() / truth.norm()
+        error_ref = (p_ref.grad.double() - truth).norm() / truth.norm()
+        assert error <= 2 * error_ref + 5e-3, f"{name}: relative gradient error {error:.3g} vs HF bf16 {error_ref:.3g}"

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 
 from test_transformers_tiny_models import (  # noqa: E402
     COMMON,
+    DEVICE,
     single_thread,  # noqa: F401 - autouse fixture
     synthetic_batches,
     tiny_config,
@@ -196,7 +197,7 @@ def test_auto_class_and_save_load_round_trip(tmp_path):
 )
 def test_unknown_model_type_warns_and_fuses_only_recognised_code(model_type, patched, not_patched):
     config = transformers.AutoConfig.for_model(model_type, **COMMON)
-    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    ref = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").to(DEVICE).eval()
     model = copy.deepcopy(ref)
     with pytest.warns(UserWarning, match=f"model type '{model_type}'.*not a supported") as record:
         report = ff.apply_kernels(model)
@@ -280,3 +281,15 @@ def test_custom_loss_function_is_respected():
     assert seen == [(2, 24, model.config.vocab_size)] and out.logits is not None
     ff.unpatch(model)
     assert model.loss_function is my_loss  # the user's, not removed by unpatch
+
+    with pytest.warns(UserWarning, match="custom loss_function; it is left in charge"):
+        report = ff.apply_kernels(model)  # a custom loss set before patching: the loss is not fused
+    assert "fused_linear_cross_entropy" not in report.patched and report.patched["rms_norm"]
+    ff.unpatch(model)
+
+    del model._loss_function  # back to the stock causal-LM loss
+    ff.apply_kernels(model)  # an lm_head replaced after patching: logits and the model's loss again
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    with pytest.warns(RuntimeWarning, match="lm_head that was replaced after apply_kernels"):
+        assert model(**batch).logits is not None
+    ff.unpatch(model)

@@ -18,6 +18,9 @@ transformers = pytest.importorskip("transformers")
 
 from fuseforge.transformers import SUPPORTED_MODEL_TYPES, apply_kernels, unpatch  # noqa: E402
 
+# Where models and batches live: the GPU when there is one (kernels compiled), else the CPU
+# (kernels interpreted; conftest sets TRITON_INTERPRET=1 under the same condition).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 VOCAB = 999  # not a power of two: exercises the vocabulary tail of the loss kernels
 COMMON = dict(
     hidden_size=64,
@@ -65,16 +68,17 @@ def tiny_config(family: str, **overrides):
 
 
 def tiny_model(family: str, *, experts_implementation: str | None = None, **overrides):
-    """A seeded-init fp32 model from a config (uses the global RNG, seeded by conftest)."""
+    """A seeded-init fp32 model from a config on DEVICE (uses the global RNG, seeded by conftest)."""
     kwargs = dict(attn_implementation="eager")
     if experts_implementation is not None:
         kwargs["experts_implementation"] = experts_implementation
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_config(tiny_config(family, **overrides), **kwargs)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, **overrides), **kwargs)
+    return model.to(DEVICE)
 
 
-def synthetic_batches(n_batches: int, batch: int = 2, seq: int = 24, span: int = 61):
+def synthetic_batches(n_batches: int, batch_size: int = 2, seq: int = 24, span: int = 61):
     """Learnable sequences: each row counts up through `span` token ids from a random start, stride 1-3.
 
     The ids stay in a small part of the vocabulary, so a few steps already lower the loss.
@@ -84,18 +88,19 @@ def synthetic_batches(n_batches: int, batch: int = 2, seq: int = 24, span: int =
     """
     out = []
     for _ in range(n_batches):
-        start = torch.randint(0, span, (batch, 1))
-        stride = torch.randint(1, 4, (batch, 1))
+        start = torch.randint(0, span, (batch_size, 1))
+        stride = torch.randint(1, 4, (batch_size, 1))
         input_ids = 3 + (start + stride * torch.arange(seq)) % span
         labels = input_ids.clone()
         attention_mask = torch.ones_like(input_ids)
-        for row in range(batch):
+        for row in range(batch_size):
             labels[row, : int(torch.randint(3, 7, ()))] = -100
         pad = int(torch.randint(2, seq // 3, ()))
         input_ids[-1, -pad:] = 0
         attention_mask[-1, -pad:] = 0
         labels[-1, -pad:] = -100
-        out.append(dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels))
+        batch = dict(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+        out.append({k: v.to(DEVICE) for k, v in batch.items()})
     return out
 
 

@@ -8,8 +8,6 @@ finalize kernel merges the slices into the log-sum-exp and the per-token loss, a
 gradient kernel sweeps the logits once more and writes dloss/dlogits, possibly into the
 logits' own buffer. The kernels take explicit strides, so they also run on a transposed
 view ([tokens, vocab] stored vocab-major), which fused_linear_cross_entropy relies on.
-For the common case on whole logits (a reduced loss, gradient wanted) one persistent kernel
-does all of it row by row instead: loss, lse and gradient, re-reading each row from L2.
 
 Semantics match torch.nn.functional.cross_entropy with class indices (label smoothing
 included: loss = (1 - ls) * nll + ls * mean over classes of -log p), plus two extras used
@@ -285,74 +283,6 @@ def _ce_grad_kernel(
         tl.store(g_row[:, None] + offs_v64[None, :] * stride_gv, g.to(g_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _ce_fused_kernel(
-    x_ptr, stride_xt, stride_xv, g_ptr, stride_gt, stride_gv, target_ptr, scale_ptr, loss_ptr, lse_ptr,
-    n_tokens, n_vocab, ignore_index, label_smoothing, z_loss_scale, softcap,
-    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, NUM_STAGES: tl.constexpr,
-):
-    """Loss, lse and g = scale * dloss/dlogits of whole rows in one launch.
-
-    Persistent: each program sweeps its current rows twice (statistics, then gradient).
-    The grid is small enough that the rows being worked on fit in L2, so the second
-    sweep reads L2, not HBM: the logits cross HBM once, the gradient once.
-    """
-    scale = tl.load(scale_ptr).to(tl.float32)
-    for tb in range(tl.program_id(0), tl.cdiv(n_tokens, BLOCK_T), tl.num_programs(0)):
-        offs_t = tb * BLOCK_T + tl.arange(0, BLOCK_T)
-        mask_t = offs_t < n_tokens
-        target = tl.load(target_ptr + offs_t, mask=mask_t, other=ignore_index)
-        x_row = x_ptr + offs_t.to(tl.int64) * stride_xt
-        g_row = g_ptr + offs_t.to(tl.int64) * stride_gt
-
-        run_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
-        run_sum = tl.zeros([BLOCK_T], tl.float32)
-        logit_sum = tl.zeros([BLOCK_T], tl.float32)
-        target_logit = tl.zeros([BLOCK_T], tl.float32)
-        for v0 in tl.range(0, n_vocab, BLOCK_V, num_stages=NUM_STAGES):
-            offs_v = v0 + tl.arange(0, BLOCK_V)
-            mask = mask_t[:, None] & (offs_v < n_vocab)[None, :]
-            x = tl.load(x_row[:, None] + offs_v.to(tl.int64)[None, :] * stride_xv, mask=mask, other=0.0)
-            run_max, run_sum, logit_sum, target_logit = _fold_tile_stats(
-                x.to(tl.float32), mask, offs_v, target, run_max, run_sum, logit_sum, target_logit,
-                softcap, HAS_SOFTCAP,
-            )
-        shift = tl.where(run_max == float("-inf"), 0.0, run_max)
-        lse = shift + tl.log(tl.where(mask_t, run_sum, 1.0))
-        loss = _token_loss(
-            lse, target_logit, logit_sum, target, n_vocab, ignore_index, label_smoothing, z_loss_scale,
-            HAS_SMOOTHING, HAS_Z_LOSS,
-        )
-        tl.store(loss_ptr + offs_t, loss, mask=mask_t)
-        tl.store(lse_ptr + offs_t, lse, mask=mask_t)
-
-        valid = mask_t & (target != ignore_index)
-        softmax_coef, smooth, hit, lse = _grad_coefficients(
-            scale, valid, lse, n_vocab, label_smoothing, z_loss_scale
-        )
-        for v0 in tl.range(0, n_vocab, BLOCK_V, num_stages=NUM_STAGES):
-            offs_v = v0 + tl.arange(0, BLOCK_V)
-            offs_v64 = offs_v.to(tl.int64)
-            mask = mask_t[:, None] & (offs_v < n_vocab)[None, :]
-            x = tl.load(x_row[:, None] + offs_v64[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
-            g = _grad_tile(x, offs_v, target, valid, lse, softmax_coef, smooth, hit, softcap, HAS_SOFTCAP)
-            tl.store(g_row[:, None] + offs_v64[None, :] * stride_gv, g.to(g_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _scale_unless_one_kernel(g_ptr, scale_ptr, n_elements, BLOCK: tl.constexpr):
-    """g *= scale, in place, skipped on the device when scale == 1 (the usual grad_output)."""
-    scale = tl.load(scale_ptr).to(tl.float32)
-    if scale != 1.0:
-        offs = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)  # int64: grads exceed 2**31
-        for _ in range(tl.program_id(0), tl.cdiv(n_elements, BLOCK), tl.num_programs(0)):
-            mask = offs < n_elements
-            g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(g_ptr + offs, (g * scale).to(g_ptr.dtype.element_ty), mask=mask)
-            offs += tl.num_programs(0) * BLOCK
-
-
 # --------------------------------------------------------------------------------------
 # Launchers (shared with fused_linear_cross_entropy)
 # --------------------------------------------------------------------------------------
@@ -450,56 +380,6 @@ def ce_write_grad(
     return out
 
 
-# Fused loss+gradient path (GPU). One persistent program per SM holds one row at a time, so
-# the rows in flight (SMs x row bytes: 34 MB at V = 128k bf16) stay in L2 for the second sweep;
-# FUSED_L2_BYTES allows more programs when rows are short.
-FUSED_PATH = True
-FUSED_L2_BYTES = 0
-FUSED_MAX_PROGRAMS_PER_SM = 8
-# Wide tiles of many warps keep enough loads in flight with only one program per SM.
-FUSED_BLOCK_V = 16384
-FUSED_WARPS = 32
-FUSED_STAGES = 1
-
-
-def ce_forward_with_grad(
-    logits: torch.Tensor, target: torch.Tensor, scale: torch.Tensor, opts: LossOptions, grad_out: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss and lse, and grad_out = scale * dloss/dlogits (scale: 1 fp32 element), in one launch."""
-    n_tokens, n_vocab = logits.shape
-    loss = torch.empty(n_tokens, dtype=torch.float32, device=logits.device)
-    lse = torch.empty(n_tokens, dtype=torch.float32, device=logits.device)
-    if n_tokens == 0:
-        return loss, lse
-    sms = num_programs_hint(logits.device)
-    if is_interpreter():
-        block_t, block_v, warps, stages = min(16, triton.next_power_of_2(n_tokens)), 1024, 4, 1
-        programs = sms
-    else:
-        block_t, block_v, warps, stages = 1, FUSED_BLOCK_V, FUSED_WARPS, FUSED_STAGES
-        row_bytes = n_vocab * logits.element_size()
-        programs = min(max(sms, FUSED_L2_BYTES // row_bytes), sms * FUSED_MAX_PROGRAMS_PER_SM)
-    block_v = min(block_v, triton.next_power_of_2(n_vocab))
-    programs = min(programs, triton.cdiv(n_tokens, block_t))
-    _ce_fused_kernel[(programs,)](
-        logits, logits.stride(0), logits.stride(1), grad_out, grad_out.stride(0), grad_out.stride(1),
-        target, scale, loss, lse,
-        n_tokens, n_vocab, opts.ignore_index, opts.label_smoothing, opts.z_loss_scale,
-        opts.softcap if opts.softcap is not None else 1.0,
-        HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0.0,
-        HAS_Z_LOSS=opts.z_loss_scale > 0.0, BLOCK_T=block_t, BLOCK_V=block_v, NUM_STAGES=stages,
-        num_warps=warps,
-    )
-    return loss, lse
-
-
-def scale_unless_one(grad: torch.Tensor, scale: torch.Tensor) -> None:
-    """grad *= scale (one element) in place, with no host sync; free when scale is 1."""
-    block = 4096
-    programs = min(triton.cdiv(grad.numel(), block), num_programs_hint(grad.device) * 4)
-    _scale_unless_one_kernel[(programs,)](grad, scale, grad.numel(), BLOCK=block, num_warps=8)
-
-
 def mark_overwritten(t: torch.Tensor) -> None:
     """Bump the version counter of a tensor a kernel wrote in place, so that any autograd node
     that saved it raises "modified by an inplace operation" instead of using garbage."""
@@ -520,32 +400,23 @@ def mean_denominator_inverse(target: torch.Tensor, ignore_index: int) -> torch.T
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
-    """Two paths, neither holding more than one [N, V] gradient buffer nor syncing the host:
+    """Forward: one read of the logits for loss and lse. Backward: one read + one write for the gradient.
 
-    * fused (a reduced loss whose logits need a gradient, not inplace_grad): forward writes
-      loss, lse and the gradient for grad_output = 1 in one launch (the logits cross HBM
-      once, the gradient once); backward only rescales it if grad_output is not 1. The
-      buffer exists from forward on, a fresh one of the logits' shape.
-    * split: forward computes loss and lse (one read); backward reads the logits again and
-      writes the gradient (scaled by grad_output, per token for reduction="none"), into the
-      logits' own buffer with inplace_grad, so logits stay intact until backward.
+    The gradient is produced in backward, from the saved logits and lse, already multiplied
+    by grad_output (per token for reduction="none"), so forward never holds a second
+    [N, V] buffer and no host sync is needed to apply grad_output.
     """
 
     @staticmethod
     def forward(ctx, logits, target, opts: LossOptions, reduction: str, inplace_grad: bool):
-        inv_count = mean_denominator_inverse(target, opts.ignore_index) if reduction == "mean" else None
-        ctx.fused_grad = None
-        if FUSED_PATH and ctx.needs_input_grad[0] and reduction != "none" and not inplace_grad:
-            scale = inv_count if inv_count is not None else torch.ones(1, dtype=torch.float32, device=logits.device)
-            ctx.fused_grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-            loss_tok, lse = ce_forward_with_grad(logits, target, scale.reshape(1), opts, ctx.fused_grad)
-        else:
-            loss_tok, lse = ce_forward_stats(logits, target, opts)
+        loss_tok, lse = ce_forward_stats(logits, target, opts)
+        inv_count = None
         if reduction == "none":
             loss = loss_tok
         elif reduction == "sum":
             loss = loss_tok.sum()
         else:
+            inv_count = mean_denominator_inverse(target, opts.ignore_index)
             loss = loss_tok.sum() * inv_count
         ctx.save_for_backward(logits, target, lse, inv_count)
         ctx.opts, ctx.reduction, ctx.inplace_grad = opts, reduction, inplace_grad
@@ -555,10 +426,6 @@ class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_lse):
-        if ctx.fused_grad is not None:
-            grad, ctx.fused_grad = ctx.fused_grad, None  # a second backward (retain_graph) recomputes
-            scale_unless_one(grad, grad_loss.to(torch.float32).reshape(1))
-            return grad, None, None, None, None
         logits, target, lse, inv_count = ctx.saved_tensors
         if ctx.reduction == "none":
             scale = grad_loss.to(torch.float32).contiguous()

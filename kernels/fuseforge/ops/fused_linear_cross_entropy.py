@@ -27,15 +27,15 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
+from fuseforge.ops.chunk_cross_entropy import chunk_grad_in_place, chunk_loss_and_lse
 from fuseforge.ops.cross_entropy import (
     LossOptions,
-    ce_forward_stats,
-    ce_write_grad,
     check_loss_options,
     check_target,
     check_target_range,
     mean_denominator_inverse,
 )
+from fuseforge.ops.matmul_accumulate import addmm_
 from fuseforge.ops.utils import (
     TRAINING_DTYPES,
     check_device_supported,
@@ -91,7 +91,7 @@ class _Gradients:
             torch.mm(grad_logits, weight, out=self.hidden[rows])
         if self.weight is not None:
             if self.weight_started:
-                self.weight.addmm_(grad_logits.t(), hidden_chunk)
+                addmm_(self.weight, grad_logits.t(), hidden_chunk)
             else:
                 torch.mm(grad_logits.t(), hidden_chunk, out=self.weight)
                 self.weight_started = True
@@ -127,8 +127,8 @@ def _first_block_in_grad_weight(hidden, weight, bias, target, opts, scale, grads
     else:
         torch.addmm(bias.unsqueeze(1), weight, h0.t(), out=logits_t)
     logits = logits_t.t()  # [n0, V] view with token stride 1
-    ce_forward_stats(logits, target[:n0], opts, loss_out=loss[:n0], lse_out=lse[:n0])
-    ce_write_grad(logits, target[:n0], lse[:n0], _rows(scale, 0, n0), opts, out=logits)
+    chunk_loss_and_lse(logits, target[:n0], opts, loss[:n0], lse[:n0])
+    chunk_grad_in_place(logits, target[:n0], lse[:n0], _rows(scale, 0, n0), opts)
     if grads.hidden is not None:
         torch.mm(logits, weight, out=grads.hidden[:n0])
     if grads.bias is not None:
@@ -164,9 +164,9 @@ def _sweep(hidden, weight, bias, target, opts: LossOptions, scale, wanted: _Want
                 torch.mm(hidden[s:e], weight.t(), out=logits)
             else:
                 torch.addmm(bias, hidden[s:e], weight.t(), out=logits)
-            ce_forward_stats(logits, target[s:e], opts, loss_out=loss[s:e], lse_out=lse[s:e])
+            chunk_loss_and_lse(logits, target[s:e], opts, loss[s:e], lse[s:e])
             if grads is not None:
-                ce_write_grad(logits, target[s:e], lse[s:e], _rows(scale, s, e), opts, out=logits)
+                chunk_grad_in_place(logits, target[s:e], lse[s:e], _rows(scale, s, e), opts)
                 grads.add_chunk(logits, hidden[s:e], weight, slice(s, e))
         del scratch
     if grads is not None:

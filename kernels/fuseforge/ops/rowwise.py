@@ -66,7 +66,8 @@ def plan_row_tiles(n_rows: int, n_cols: int, device: torch.device, *, persistent
     if persistent:
         # A few resident programs per SM, each looping over an equal share of tiles, so
         # that the [programs, N] partial sums stay small.
-        per_sm = 1 if is_interpreter() else GPU_BWD_PROGRAMS_PER_SM
+        # (no more than fit at once: an SM holds 64 warps, and a second wave would idle half the GPU).
+        per_sm = 1 if is_interpreter() else max(1, min(GPU_BWD_PROGRAMS_PER_SM, 64 // num_warps))
         num_programs = min(n_tiles, num_programs_hint(device) * per_sm)
         num_stages = 1 if is_interpreter() else GPU_BWD_STAGES
     tiles_per_program = triton.cdiv(n_tiles, num_programs)

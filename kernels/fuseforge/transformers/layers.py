@@ -192,14 +192,14 @@ def _plan_mlp(module: nn.Module, cls: type, name: str) -> Plan:
         activation = classify_activation(getattr(module, "act_fn", None))
         if activation is not None:
             return Plan("swiglu", f"{name} ({_GLU_NAMES[activation]})", SPLIT_MLP_MIXINS[activation])
-        return Plan("swiglu", name, reason=f"{name}: activation {type(module.act_fn).__name__} is not SiLU/GELU")
+        act = type(getattr(module, "act_fn", None)).__name__
+        return Plan("swiglu", name, reason=f"{name}: activation {act} is not SiLU/GELU")
     if matches(cls.forward, FUSED_GATE_UP_MLP_FORWARD):
         activation = classify_activation(getattr(module, "activation_fn", None))
         if activation is not None:
             return Plan("swiglu", f"{name} ({_GLU_NAMES[activation]})", FUSED_GATE_UP_MLP_MIXINS[activation])
-        return Plan(
-            "swiglu", name, reason=f"{name}: activation {type(module.activation_fn).__name__} is not SiLU/GELU"
-        )
+        act = type(getattr(module, "activation_fn", None)).__name__
+        return Plan("swiglu", name, reason=f"{name}: activation {act} is not SiLU/GELU")
     return Plan("swiglu", name, reason=f"{name}: MLP implementation not recognised as a gated (GLU) MLP")
 
 

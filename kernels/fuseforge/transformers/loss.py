@@ -31,6 +31,9 @@ from torch import nn
 from fuseforge.functional import cross_entropy, fused_linear_cross_entropy
 
 
+LOSS_SPEC_ATTR = "_fuseforge_loss"  # where a patched causal LM keeps its LossSpec
+
+
 @dataclass(frozen=True)
 class LossSpec:
     """Per-family facts the fused forward needs (see families.Family)."""
@@ -119,7 +122,8 @@ def causal_lm_loss(
     return _divide(loss, num_items_in_batch)
 
 
-def _is_stock_loss(loss_function) -> bool:
+def is_stock_loss(loss_function) -> bool:
+    """True for transformers' causal-LM loss (or ours): what the fused path reproduces."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     return loss_function is ForCausalLMLoss or loss_function is causal_lm_loss
@@ -132,6 +136,15 @@ def _labels_position(original) -> int | None:
     return params.index("labels") - 1 if "labels" in params else None
 
 
+def _fallback_reason(model: nn.Module) -> str | None:
+    """Why the fused loss cannot stand in for this forward's loss right now, if it cannot."""
+    if not is_stock_loss(model.loss_function):
+        return "has a custom loss_function"
+    if not isinstance(model.lm_head, FusedLossHeadMixin):
+        return "has an lm_head that was replaced after apply_kernels"
+    return None
+
+
 def _fused_forward(self, original, args: tuple, kwargs: dict):
     skip_logits = kwargs.pop("skip_logits", None)
     position = _labels_position(original)
@@ -141,16 +154,17 @@ def _fused_forward(self, original, args: tuple, kwargs: dict):
     wants_loss = labels is not None or shift_labels is not None
     if not wants_loss or not (self.training if skip_logits is None else skip_logits):
         return original(self, *args, **kwargs)
-    if not _is_stock_loss(self.loss_function):
+    fallback = _fallback_reason(self)
+    if fallback is not None:
         warnings.warn(
-            f"fuseforge: {type(self).__name__} has a custom loss_function; computing logits and using it "
-            "instead of fused linear cross-entropy",
+            f"fuseforge: {type(self).__name__} {fallback}; computing logits and the loss from them instead of "
+            "fused linear cross-entropy",
             RuntimeWarning,
             stacklevel=3,
         )
         return original(self, *args, **kwargs)
 
-    spec: LossSpec = self._fuseforge_loss
+    spec: LossSpec = getattr(self, LOSS_SPEC_ATTR)
     return_dict = kwargs.pop("return_dict", None)
     if return_dict is None:
         return_dict = getattr(self.config, "return_dict", True)

@@ -22,21 +22,29 @@ from fuseforge.transformers import rope as rope_patch
 from fuseforge.transformers._swap import is_fused, restore, swap
 from fuseforge.transformers.families import FAMILIES, Family, family_for_model_type
 from fuseforge.transformers.layers import plan
-from fuseforge.transformers.loss import FusedLossHeadMixin, LossSpec, causal_lm_loss, fused_forward_for
+from fuseforge.transformers.loss import (
+    LOSS_SPEC_ATTR,
+    FusedLossHeadMixin,
+    LossSpec,
+    causal_lm_loss,
+    fused_forward_for,
+    is_stock_loss,
+)
 from fuseforge.transformers.report import KERNEL_FLAGS, PatchReport
 
-DEFAULT_FLAGS = dict(
-    rms_norm=True,
-    rope=True,
-    swiglu=True,
-    fused_linear_cross_entropy=True,
-    cross_entropy=False,
-    layer_norm=True,
+DEFAULT_FLAGS = types.MappingProxyType(
+    dict(
+        rms_norm=True,
+        rope=True,
+        swiglu=True,
+        fused_linear_cross_entropy=True,
+        cross_entropy=False,
+        layer_norm=True,
+    )
 )
 
 _STATE_ATTR = "_fuseforge_state"
 _CLASS_ATTR = "_fuseforge_class_patch"
-_LOSS_ATTR = "_fuseforge_loss"
 
 
 @dataclass
@@ -138,6 +146,10 @@ def _patch_losses(model: nn.Module, family: Family | None, flags: dict, state: _
         return
     for lm in heads:
         name = type(lm).__name__
+        if not is_stock_loss(lm.loss_function):
+            for kernel in wanted:
+                report.add_skipped(kernel, f"{name} has a custom loss_function; it is left in charge")
+            continue
         if flags["cross_entropy"]:
             state.loss_functions.append((lm, lm.__dict__.get("_loss_function", _MISSING)))
             lm.loss_function = causal_lm_loss
@@ -153,7 +165,7 @@ def _patch_losses(model: nn.Module, family: Family | None, flags: dict, state: _
             if "forward" in lm.__dict__:
                 report.add_skipped("fused_linear_cross_entropy", f"{name}: forward overridden on the instance")
                 continue
-            setattr(lm, _LOSS_ATTR, LossSpec(family.logit_softcap_attr, family.router_aux_loss))
+            setattr(lm, LOSS_SPEC_ATTR, LossSpec(family.logit_softcap_attr, family.router_aux_loss))
             lm.forward = types.MethodType(fused_forward_for(type(lm)), lm)
             swap(head, FusedLossHeadMixin)
             state.swapped.append(head)
@@ -192,7 +204,7 @@ def _undo(state: _State) -> None:
         forward = lm.__dict__.get("forward")
         if getattr(forward, "_fuseforge_fused_forward", False):
             del lm.forward
-        lm.__dict__.pop(_LOSS_ATTR, None)
+        lm.__dict__.pop(LOSS_SPEC_ATTR, None)
     for module in state.swapped:
         restore(module)
     for attention, module_name in state.rope_users:

@@ -43,10 +43,6 @@ class PatchReport:
     def patched_kernels(self) -> list[str]:
         return [k for k in KERNEL_FLAGS if self.patched.get(k)]
 
-    def unpatched_kernels(self) -> list[str]:
-        """Requested kernels that replaced nothing."""
-        return [k for k in KERNEL_FLAGS if self.flags.get(k) and not self.patched.get(k)]
-
     def needs_warning(self) -> bool:
         return not self.supported or bool(self.skipped)
 

@@ -151,10 +151,6 @@ def unregister(attention: nn.Module, module_name: str) -> None:
             _uninstall(module_name)
 
 
-def is_installed(module_name: str) -> bool:
-    return _installed(module_name)
-
-
 class FusedRoPEAttentionMixin:
     """Attention whose forward is a scope in which its module's RoPE runs fused."""
 

@@ -32,12 +32,23 @@ class NonFiniteLossError(FloatingPointError):
     """The loss of a step was NaN/inf and nonfinite_policy is "raise"."""
 
 
-def _apply_kernels(model: torch.nn.Module) -> None:
-    """Patch the model in place with fuseforge's kernels (norms, RoPE, gated MLP, fused loss)."""
+def _apply_kernels(model: torch.nn.Module, log_it: bool) -> List[str]:
+    """Patch the model in place with fuseforge's kernels; the names of the kernels that were applied."""
     from fuseforge.transformers import apply_kernels  # lazy: the kernels need triton
 
     report = apply_kernels(model)
-    log.info("fuseforge kernels: %s", report.summary() if hasattr(report, "summary") else report)
+    if log_it:
+        log.info("%s", report.summary())
+    return report.patched_kernels()
+
+
+def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant checkpointing of every decoder layer (newer transformers renamed the method)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _fingerprint(model: torch.nn.Module) -> Dict[str, list]:
@@ -51,11 +62,15 @@ class _Run:
         self.spec = spec
         self.ctx = ctx
         model = build_model(spec.model, seed=spec.seed, device=ctx.device)
-        if spec.kernels:
-            _apply_kernels(model)
+        # the data next, so that a bad dataset fails before the model is wrapped and sharded
+        self.dataset = load_dataset(spec.dataset, seq_len=spec.seq_len, vocab_size=model.config.vocab_size,
+                                    seed=spec.seed)
+        self.samples_per_step = ctx.world_size * spec.batch_size * spec.grad_accum
+        self.tokens_per_step = self.samples_per_step * spec.seq_len
+        self._batches(DataPosition())  # raises if one global step needs more sequences than there are
+        self.kernels_patched = _apply_kernels(model, ctx.is_main) if spec.kernels else []
         if spec.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.vocab_size = model.config.vocab_size
+            _enable_activation_checkpointing(model)
         self.flops = model_flops(model, spec.seq_len)
         fingerprint = _fingerprint(model)
         self.strategy: Strategy = make_strategy(spec, ctx, model)
@@ -67,8 +82,11 @@ class _Run:
         if spec.checkpoint_dir:
             self.ckpt = CheckpointManager(spec.checkpoint_dir, ctx, self.strategy, keep_last=spec.keep_last,
                                           fingerprint=fingerprint)
-        self.samples_per_step = ctx.world_size * spec.batch_size * spec.grad_accum
-        self.tokens_per_step = self.samples_per_step * spec.seq_len
+
+    def _batches(self, position: DataPosition) -> ShardedBatches:
+        spec, ctx = self.spec, self.ctx
+        return ShardedBatches(self.dataset, rank=ctx.rank, world_size=ctx.world_size, batch_size=spec.batch_size,
+                              grad_accum=spec.grad_accum, seed=spec.seed, position=position)
 
     # ------------------------------------------------------------ resume
 
@@ -81,7 +99,7 @@ class _Run:
             self.step = self.resumed_from = int(state["step"])
             self.position = DataPosition(**state["position"])
             self.history = History.from_dict(state["history"])
-            if state.get("samples_per_step") != self.samples_per_step:
+            if state.get("samples_per_step") != self.samples_per_step and self.ctx.is_main:
                 log.warning("the global batch changed from %s to %s samples since the checkpoint: "
                             "the data order after it differs from an uninterrupted run",
                             state.get("samples_per_step"), self.samples_per_step)
@@ -97,9 +115,7 @@ class _Run:
 
     def train(self) -> None:
         spec, ctx = self.spec, self.ctx
-        dataset = load_dataset(spec.dataset, seq_len=spec.seq_len, vocab_size=self.vocab_size, seed=spec.seed)
-        batches = ShardedBatches(dataset, rank=ctx.rank, world_size=ctx.world_size, batch_size=spec.batch_size,
-                                 grad_accum=spec.grad_accum, seed=spec.seed, position=self.position)
+        batches = self._batches(self.position)
         self.strategy.model.train()
         if self.step < spec.steps:
             self.history.warmup.append(self.step)
@@ -183,7 +199,7 @@ class _Run:
             restarts=ctx.restart_count, steps_redone=steps_redone, skipped_steps=h.skipped_steps,
             resumed_from_step=self.resumed_from, dtype=dtype, num_params=self.flops.num_params,
             flops_per_token=self.flops.flops_per_token, tokens_per_step=self.tokens_per_step,
-            step_time_curve=list(h.step_time),
+            step_time_curve=list(h.step_time), kernels_patched=list(self.kernels_patched),
         )
 
 

@@ -1,7 +1,7 @@
 """Test-only fault injection, driven by environment variables (unset in production: no effect).
 
-FUSEFORGE_FAULT_INJECT="rank:step[:mode][,...]": after finishing `step`, that rank
-dies: mode "kill" (default) SIGKILLs the process like a preempted pod, mode
+FUSEFORGE_FAULT_INJECT="rank:step[:mode][,...]": after finishing `step` (its progress
+recorded, before that step's checkpoint would be written), that rank dies: mode "kill" (default) SIGKILLs the process like a preempted pod, mode
 "raise" raises InjectedFault (for in-process tests). Only in the first attempt
 (TORCHELASTIC_RESTART_COUNT unset or 0), so the restarted workers run through.
 

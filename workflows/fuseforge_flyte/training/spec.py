@@ -75,3 +75,4 @@ class TrainMetrics:
     flops_per_token: float = 0.0  # training FLOPs per token used for MFU (see training/models.py)
     tokens_per_step: int = 0  # global: world_size * grad_accum * batch_size * seq_len
     step_time_curve: List[float] = field(default_factory=list)
+    kernels_patched: List[str] = field(default_factory=list)  # fuseforge kernels apply_kernels swapped in

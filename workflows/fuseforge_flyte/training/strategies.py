@@ -45,7 +45,7 @@ class Strategy:
     def __init__(self, spec: TrainSpec, ctx: DistContext, fused_loss: bool):
         self.spec = spec
         self.ctx = ctx
-        self.fused_loss = fused_loss  # the loss reads lm_head.weight inside the root forward
+        self.fused_loss = fused_loss  # fuseforge's fused loss computes from lm_head.weight directly
         self.dtype = compute_dtype(spec, ctx.device)
         self.model: torch.nn.Module  # what forward is called on
         self.inner: torch.nn.Module  # the Hugging Face model inside the wrapper
@@ -271,10 +271,13 @@ def deepspeed_config(spec: TrainSpec, world_size: int, device: torch.device) -> 
 class DeepSpeedStrategy(Strategy):
     """DeepSpeed ZeRO stage 1-3 through deepspeed.initialize, config from `deepspeed_config`.
 
-    Under ZeRO-3 with a fused loss (kernels on), lm_head.weight is registered as an external
-    parameter of the root module, so ZeRO gathers it for the root forward/backward
-    where the fused loss reads it (it is otherwise gathered only for lm_head.forward,
-    which the fused loss never calls).
+    ZeRO-3 with the fused loss: lm_head's own hooks gather its weight for the
+    forward, but the fused loss produces the weight gradient during the forward and
+    lm_head's output (a placeholder) is not on the loss's autograd path, so ZeRO's
+    backward hook for lm_head never re-gathers the weight before that gradient
+    lands ("size of tensor a (0) must match" in backward). Registering the weight as
+    an external parameter of the causal LM keeps it gathered for the root module's
+    forward and backward.
     """
 
     name = "deepspeed"
