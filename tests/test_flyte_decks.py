@@ -23,6 +23,7 @@ def run(kernels: bool, steps: int = 9, **changes) -> TrainMetrics:
         step_time_p90_s=0.6, step_time_p99_s=0.7, final_loss=loss[-1], loss_curve=loss,
         tokens_per_s_curve=[random.uniform(1e3, 1e5) for _ in range(steps)],
         memory_gib_curve=[random.uniform(1, 80) for _ in range(steps)], num_params=123_456, tokens_per_step=4096,
+        kernels_patched=["rms_norm", "rope"] if kernels else [],
     )
     values.update(changes)
     return TrainMetrics(**values)
@@ -71,7 +72,7 @@ def test_training_deck_has_table_and_plots():
     m = run(True)
     html = training_deck_html(m)
     assert f"{m.tokens_per_s:,.1f}" in html and f"{m.final_loss:.4f}" in html and "123,456" in html
-    assert "tiny-llama · ddp · 2 × cpu · fuseforge kernels" in html
+    assert "tiny-llama · ddp · 2 × cpu · fuseforge kernels (rms_norm, rope)" in html
     images = pngs(html)
     assert len(images) == 1 and images[0].startswith(b"\x89PNG\r\n\x1a\n") and len(images[0]) > 5000
     sparse = run(True, steps=20, loss_curve=[5.0, 4.0, 3.0, 2.0])  # logged every 5 steps

@@ -113,12 +113,24 @@ def test_options(options, reduction):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_low_precision(dtype, reduction):
-    hidden, weight, bias = _inputs(37, 48, 1000, dtype=dtype, bias=True)
+@pytest.mark.parametrize("h", [48, 16])  # 48: every token in grad_weight's storage; 16: then 16-bit addmm_ chunks
+def test_low_precision(dtype, reduction, h):
+    hidden, weight, bias = _inputs(37, h, 1000, dtype=dtype, bias=True)
     target = random_targets(37, 1000)
-    # scale 2: grad_weight is accumulated in `dtype`, with one rounding per chunk (5 here)
+    # scale 2: grad_weight is accumulated in `dtype`, with one rounding per chunk (up to 5 here)
     _compare(hidden, weight, bias, target, reduction, dtype=dtype, scale=2.0, chunk_size=8, label_smoothing=0.1,
              softcap=20.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="exercises the GPU tile shapes (the interpreter tiles differ)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_gpu_sized_tiles(dtype, reduction):
+    """A 1024-token vocab-major first block (4 warps, many vocabulary splits), then token-major chunks."""
+    hidden, weight, bias = _inputs(1500, 1024, 5003, dtype=dtype, bias=True)
+    target = random_targets(1500, 5003)
+    _compare(hidden, weight, bias, target, reduction, dtype=dtype, scale=2.0, chunk_size=200, label_smoothing=0.1,
+             z_loss_scale=1e-3, softcap=30.0)
 
 
 def test_large_logits_are_stable():

@@ -68,8 +68,8 @@ def _one_of(*choices: Any) -> dict:
     return {"desc": f"one of {shown}", "check": lambda v: v in choices}
 
 
-def _at_least(low: int | float, what: str = "an integer") -> dict:
-    return {"desc": f"{what} >= {low}", "check": lambda v: v >= low}
+def _at_least(low: int) -> dict:
+    return {"desc": f"an integer >= {low}", "check": lambda v: v >= low}
 
 
 _NONEMPTY = {"desc": "a non-empty string", "check": lambda v: bool(v.strip())}
@@ -188,7 +188,8 @@ def _training_defaults_class() -> type:
     for f in fields(TrainSpec):
         if f.name in _CHECKPOINT_FIELDS:
             continue
-        specs.append((f.name, hints[f.name], field(default=f.default)))
+        default = field(default=f.default) if f.default is not MISSING else field(default_factory=f.default_factory)
+        specs.append((f.name, hints[f.name], default))
     cls = dataclasses.make_dataclass("TrainingDefaults", specs, frozen=True)
     cls.__module__ = __name__
     cls.__doc__ = "Defaults for TrainSpec fields: the workflows' input defaults."
@@ -200,6 +201,8 @@ TrainingDefaults = _training_defaults_class()
 
 @dataclass(frozen=True)
 class PlatformConfig:
+    """The whole platform.toml, validated; one attribute per section."""
+
     image: ImageConfig
     cluster: ClusterConfig
     flyte: FlyteConfig
@@ -274,7 +277,7 @@ def _type_desc(tp: Any) -> str:
     if tp in (str, Quantity):
         return "a string"
     origin = typing.get_origin(tp)
-    if origin is tuple:
+    if origin in (tuple, list):
         (elem,) = typing.get_args(tp)[:1]
         return "a list of tables" if is_dataclass(elem) else f"a list of {_type_desc(elem).split(' ', 1)[1]}s"
     if origin is dict:
@@ -337,11 +340,11 @@ def _coerce(tp: Any, value: Any, where: str, sources: _Sources, meta: Mapping[st
     elif tp is str:
         if not isinstance(value, str):
             fail()
-    elif origin is tuple:
+    elif origin in (tuple, list):
         elem = typing.get_args(tp)[0]
         if not isinstance(value, (list, tuple)):
             fail()
-        value = tuple(_coerce(elem, v, f"{where}[{i}]", sources, {}) for i, v in enumerate(value))
+        value = origin(_coerce(elem, v, f"{where}[{i}]", sources, {}) for i, v in enumerate(value))
     elif origin is dict:
         if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
             fail()

@@ -60,9 +60,15 @@ def _metric_rows(m: TrainMetrics) -> List[Tuple[str, str]]:
     ]
 
 
+def _describe_setup(m: TrainMetrics) -> str:
+    return f"{m.model} · {m.strategy} · {m.world_size} × {m.device}"
+
+
 def _describe_run(m: TrainMetrics) -> str:
     kernels = "fuseforge kernels" if m.kernels else "stock PyTorch/HF"
-    return f"{m.model} · {m.strategy} · {m.world_size} × {m.device} · {kernels}"
+    if m.kernels and m.kernels_patched:
+        kernels += f" ({', '.join(m.kernels_patched)})"
+    return f"{_describe_setup(m)} · {kernels}"
 
 
 def training_deck_html(m: TrainMetrics) -> str:
@@ -139,7 +145,7 @@ def comparison_deck_html(c: Comparison) -> str:
     axes[3].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[3].legend()
     return (
-        f"<h3>{html.escape(_describe_run(w).rsplit(' · ', 1)[0])}: {html.escape(headline)}</h3>"
+        f"<h3>{html.escape(_describe_setup(w))}: {html.escape(headline)}</h3>"
         + table_html(["metric", "without kernels", "with kernels", "change"], rows)
         + figure_html(fig, "with vs without kernels")
     )
