@@ -31,6 +31,7 @@ class Measurement:
     shape: str
     impl: str
     ms: Optional[float] = None
+    graph_ms: Optional[float] = None  # the same step replayed from a CUDA graph: GPU time without host launch cost
     extra_mib: Optional[float] = None
     floor_ms: Optional[float] = None
     max_abs_err: Optional[float] = None
@@ -85,6 +86,34 @@ def time_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def cuda_graph_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
+    """Median ms of `fn` captured once in a CUDA graph and replayed.
+
+    On a VM where each launch costs tens of microseconds of host time, do_bench of a
+    small op measures the host; the replay shows what the kernels themselves cost.
+    Raises if `fn` cannot be captured: a host sync (e.g. `.item()`) is detected in a plain
+    run first, so that a doomed capture never leaves the CUDA context in a bad state.
+    """
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    try:
+        return time_ms(graph.replay, warmup=warmup, rep=rep)
+    finally:
+        del graph
+
+
 def peak_extra_mib(fn: Callable[[], object]) -> float:
     """Peak memory (MiB) allocated while `fn` runs once, above what was allocated before it."""
     gc.collect()
@@ -118,20 +147,23 @@ def format_table(rows: list[Measurement], baseline: str = "eager") -> str:
     """Markdown table with each implementation's time and memory and its ratio to `baseline`."""
     base = {(r.op, r.shape): r for r in rows if r.impl == baseline}
     lines = [
-        "| op | shape | impl | ms | x vs eager | floor ms | % of floor | extra MiB | max abs err | note |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| op | shape | impl | ms | x vs eager | graph ms | graph x vs eager | floor ms | graph % of floor | extra MiB | max abs err | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         b = base.get((r.op, r.shape))
         speed = f"{b.ms / r.ms:.2f}" if (b and b.ms and r.ms) else "-"
-        pct = f"{100 * r.floor_ms / r.ms:.0f}%" if (r.ms and r.floor_ms) else "-"
+        gspeed = f"{b.graph_ms / r.graph_ms:.2f}" if (b and b.graph_ms and r.graph_ms) else "-"
+        pct = f"{100 * r.floor_ms / r.graph_ms:.0f}%" if (r.graph_ms and r.floor_ms) else "-"
         lines.append(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |".format(
                 r.op,
                 r.shape,
                 r.impl,
                 f"{r.ms:.3f}" if r.ms is not None else "n/a",
                 speed,
+                f"{r.graph_ms:.3f}" if r.graph_ms is not None else "n/a",
+                gspeed,
                 f"{r.floor_ms:.3f}" if r.floor_ms else "-",
                 pct,
                 f"{r.extra_mib:.1f}" if r.extra_mib is not None else "n/a",

@@ -8,7 +8,9 @@
 Every number is forward+backward. `floor ms` is the bytes an op must move at
 least (read inputs, write outputs, read upstream grads, write input grads)
 divided by the measured device-to-device copy rate; `% of floor` is how close
-the implementation gets to that memory-bandwidth bound.
+the implementation gets to that memory-bandwidth bound. `ms` is do_bench of the
+eager step (host launch cost included); `graph ms` replays the same step from a
+CUDA graph, i.e. the GPU time alone.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     H200_COPY_BYTES_PER_S,
+    cuda_graph_ms,
     Measurement,
     environment,
     format_table,
@@ -289,6 +292,11 @@ def bench_case(case: Case, bandwidth: float, smoke: bool) -> list[Measurement]:
             if not smoke:
                 m.extra_mib = peak_extra_mib(run)
                 m.ms = time_ms(run)
+                try:
+                    m.graph_ms = cuda_graph_ms(run)
+                except Exception as exc:  # noqa: BLE001 - e.g. a host sync inside the op
+                    m.note = (m.note + "; " if m.note else "") + f"no CUDA graph: {type(exc).__name__}"
+                    torch.cuda.synchronize()
         except Exception as exc:  # noqa: BLE001 - report a failing baseline, keep benchmarking the rest
             m.note = f"failed: {type(exc).__name__}: {str(exc)[:120]}"
         rows.append(m)
