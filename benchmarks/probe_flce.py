@@ -24,6 +24,7 @@ from triton.testing import do_bench
 
 N, H, V = 8192, 4096, 128256
 ROWS = []
+PROFILE_CHUNKS = (256,)
 
 
 def ms(fn, rep=60):
@@ -192,7 +193,7 @@ def fwd_bwd(h, w, t, chunk):
 def section_profile(h, w, t, out_dir):
     from torch.profiler import ProfilerActivity, profile
 
-    for chunk in (256, 512):
+    for chunk in PROFILE_CHUNKS:
         run = fwd_bwd(h, w, t, chunk)
         run()
         torch.cuda.synchronize()
@@ -229,29 +230,116 @@ def section_e2e(h, w, t):
         h.grad = w.grad = None
 
 
+def section_new_kernels(h, w):
+    """The replacement kernels against what they replace, at full size, with a correctness check each."""
+    from fuseforge.ops import matmul_accumulate as mma
+    from fuseforge.ops.chunk_cross_entropy import chunk_grad_in_place, chunk_loss_and_lse
+    from fuseforge.ops.cross_entropy import LossOptions, ce_forward_stats, ce_write_grad
+
+    dw = (torch.randn(V, H, device="cuda") * 1e-3).to(torch.bfloat16)
+    for c in (256, 512):
+        g = (h.new_empty(c, V).normal_() * 1e-4)
+        hc = h[:c]
+        f = 2 * c * H * V
+        record("addmm", f"cuBLAS dW.addmm_ K={c}", ms(lambda: dw.addmm_(g.t(), hc)), f, nbytes=4 * V * H)
+        record("addmm", f"triton addmm_ K={c}", ms(lambda: mma.addmm_(dw, g.t(), hc)), f, nbytes=4 * V * H)
+        ref = dw.clone()
+        ref.addmm_(g.t(), hc)
+        mine = dw.clone()
+        mma.addmm_(mine, g.t(), hc)
+        err = float((mine.float() - ref.float()).norm() / (ref.float() - dw.float()).norm())
+        record("addmm", f"triton vs cuBLAS rel err of the update K={c}", 0.0, rel_err=err)
+        del g, ref, mine
+    del dw
+    opts = LossOptions(label_smoothing=0.1)
+    for label, tokens, vocab_major in (("token-major", 256, False), ("vocab-major", 4096, True)):
+        x = torch.randn(V, tokens, device="cuda", dtype=torch.bfloat16)
+        x = x.t() if vocab_major else x.reshape(tokens, V)
+        target = torch.randint(0, V, (tokens,), device="cuda")
+        loss, lse = torch.empty(tokens, device="cuda"), torch.empty(tokens, device="cuda")
+        loss0, lse0 = torch.empty_like(loss), torch.empty_like(lse)
+        scale = torch.full((1,), 1e-3, device="cuda")
+        nb = tokens * V * 2
+        record("ce", f"old stats {label} [{tokens},V]",
+               ms(lambda: ce_forward_stats(x, target, opts, loss_out=loss0, lse_out=lse0)), nbytes=nb)
+        record("ce", f"new stats {label} [{tokens},V]", ms(lambda: chunk_loss_and_lse(x, target, opts, loss, lse)),
+               nbytes=nb, rel_err=float((loss - loss0).abs().max()) + float((lse - lse0).abs().max()))
+        x0 = x.clone()
+        ce_write_grad(x0, target, lse0, scale, opts, out=x0)
+        x1 = x.clone()
+        chunk_grad_in_place(x1, target, lse, scale, opts)
+        gerr = float((x1.float() - x0.float()).abs().max())
+        del x0, x1
+        record("ce", f"old grad {label} [{tokens},V]", ms(lambda: ce_write_grad(x, target, lse, scale, opts, out=x)),
+               nbytes=2 * nb)
+        record("ce", f"new grad {label} [{tokens},V]", ms(lambda: chunk_grad_in_place(x, target, lse, scale, opts)),
+               nbytes=2 * nb, rel_err=gerr)
+        del x
+    logits_t = h.new_empty(V, H).normal_()
+    dh = torch.empty_like(h[:H])
+    tmp = torch.empty(H, H, device="cuda", dtype=torch.bfloat16)
+    f = 2 * H * H * V
+    record("first", "dh0 = logits_t.T @ W", ms(lambda: torch.mm(logits_t.t(), w, out=dh)), f)
+
+    def transposed():
+        torch.mm(w.t(), logits_t, out=tmp)
+        dh.copy_(tmp.t())
+
+    record("first", "dh0 = (W.T @ logits_t).T + copy", ms(transposed), f)
+
+
+def section_e2e_variants(h, w, t):
+    from fuseforge.ops import matmul_accumulate as mma
+
+    default = mma.MAX_INNER
+    for chunk, max_inner in ((256, default), (256, 0), (512, default), (1024, default)):
+        mma.MAX_INNER = max_inner
+        run = fwd_bwd(h, w, t, chunk)
+        run()
+        torch.cuda.synchronize()
+        h.grad = w.grad = None
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        run()
+        torch.cuda.synchronize()
+        extra = (torch.cuda.max_memory_allocated() - before) / 2**20 - (h.numel() + w.numel()) * 2 / 2**20
+        t_ms = float(do_bench(run, warmup=60, rep=400, return_mode="median"))
+        record("e2e", f"new chunk={chunk} triton-addmm<={max_inner}", t_ms, extra_mib=round(extra, 1))
+        h.grad = w.grad = None
+    mma.MAX_INNER = default
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=".")
     p.add_argument("--skip", default="")
+    p.add_argument("--sections", default="gemm,ce,profile,e2e")
     args = p.parse_args()
     torch.manual_seed(0)
     h = torch.randn(N, H, device="cuda", dtype=torch.bfloat16)
     w = (torch.randn(V, H, device="cuda") * 0.02).to(torch.bfloat16)
     skip = set(args.skip.split(","))
-    if "gemm" not in skip:
+    sections = set(args.sections.split(",")) - skip
+    if "new" in sections:
+        section_new_kernels(h, w)
+        torch.cuda.empty_cache()
+    if "gemm" in sections:
         dh, dw = section_gemms(h, w)
         section_first_block(h, w, dw)
         del dh, dw
     torch.cuda.empty_cache()
-    if "ce" not in skip:
+    if "ce" in sections:
         section_ce()
     torch.cuda.empty_cache()
     hl, wl = h.clone().requires_grad_(), w.clone().requires_grad_()
     t = torch.randint(0, V, (N,), device="cuda")
-    if "profile" not in skip:
+    if "profile" in sections:
         section_profile(hl, wl, t, args.out)
-    if "e2e" not in skip:
+    if "e2e" in sections:
         section_e2e(hl, wl, t)
+    if "variants" in sections:
+        section_e2e_variants(hl, wl, t)
     with open(os.path.join(args.out, "probe.json"), "w") as f:
         json.dump(ROWS, f, indent=1)
     print("\n| section | name | ms | TFLOP/s | GB/s | extra |")

@@ -13,6 +13,7 @@ import time
 import textwrap
 
 import pytest
+import torch
 from flytekit import task
 from flytekit.core.context_manager import FlyteContextManager
 
@@ -25,6 +26,8 @@ from fuseforge_flyte.workflows import compare, train
 pytestmark = pytest.mark.slow
 
 STEPS = 10
+CUDA = torch.cuda.is_available()
+WORKERS = min(2, torch.cuda.device_count()) if CUDA else 2  # [elastic].local_nproc_per_node, capped at the GPUs
 TINY = dict(model="tiny-llama", dataset="builtin:synthetic", steps=STEPS, batch_size=2, seq_len=32, lr=3e-3, dtype="fp32")
 
 
@@ -43,9 +46,10 @@ def probe_worker() -> str:
 
 def assert_real_run(m: TrainMetrics, kernels: bool) -> None:
     assert isinstance(m, TrainMetrics)
-    assert (m.model, m.kernels, m.device, m.world_size, m.steps) == ("tiny-llama", kernels, "cpu", 2, STEPS)
+    assert (m.model, m.kernels, m.world_size, m.steps) == ("tiny-llama", kernels, WORKERS, STEPS)
+    assert (m.device != "cpu") if CUDA else (m.device == "cpu")
     assert m.tokens_per_s > 0 and m.samples_per_s > 0
-    assert m.tokens_per_step == 2 * 2 * 32  # world size x batch x seq_len
+    assert m.tokens_per_step == WORKERS * 2 * 32  # world size x batch x seq_len
     assert 0 < m.step_time_p50_s <= m.step_time_p90_s <= m.step_time_p99_s
     assert m.peak_memory_gib > 0
     for curve in (m.loss_curve, m.tokens_per_s_curve, m.memory_gib_curve):
@@ -76,7 +80,7 @@ def test_registered_multi_node_task_runs_as_one_local_node(tmp_path, monkeypatch
     probe = task(**training_task_options(config))(probe_worker)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # conftest sets it; the task must do so itself
     monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
-    assert probe() == "0/2 interpret=1 fresh_store=1"
+    assert probe() == f"0/{WORKERS} interpret={None if CUDA else 1} fresh_store=1"
     assert probe.task_config.nnodes == 4 and probe.task_config.nproc_per_node == 8  # registration unchanged
     # The launch variables were scoped to the run.
     assert "TRITON_INTERPRET" not in os.environ and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
@@ -103,8 +107,8 @@ def test_compare_workflow_end_to_end():
     assert result.throughput_gain_pct == pytest.approx(
         100 * (result.with_kernels.tokens_per_s / result.without_kernels.tokens_per_s - 1)
     )
-    # Same seed and data: the fused kernels must train the same model (fp32 on the CPU).
-    assert result.max_loss_curve_diff < 0.05, (result.with_kernels.loss_curve, result.without_kernels.loss_curve)
+    # Same seed and data in fp32: the fused kernels must train the same model (CPU: ~1e-6 apart).
+    assert result.max_loss_curve_diff < 1e-2, (result.with_kernels.loss_curve, result.without_kernels.loss_curve)
     assert abs(result.final_loss_diff) <= result.max_loss_curve_diff + 1e-12
     decks = [d for d in decks_written_since(start) if "Kernels vs no kernels" in d]
     assert decks and "without kernels" in decks[0] and "data:image/png;base64," in decks[0]

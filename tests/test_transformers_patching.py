@@ -145,27 +145,37 @@ def test_deep_copy_of_a_patched_model_is_patched_and_independent(rope_calls):
     assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_LLAMA_ROPE
 
 
-def test_class_patch_applies_to_instances_built_later():
+def test_class_patch_applies_to_instances_built_later(tmp_path):
     config = tiny_config("qwen2")
+    saved = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in saved.parameters():
+            p.add_(torch.randn_like(p))  # weights no initializer would produce
+    saved.save_pretrained(tmp_path)
     cls = transformers.Qwen2ForCausalLM
     original_init = cls.__init__
     report = ff.apply_kernels(cls, rope=False)
     try:
         assert report.target == "class Qwen2ForCausalLM" and report.family == "qwen2"
         assert ff.apply_kernels(cls, rope=False) is report  # idempotent on classes too
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        assert cls.__init__ is not original_init
+        assert inspect.signature(cls.__init__) == inspect.signature(original_init)
+        built = transformers.AutoModelForCausalLM.from_config(config)
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    finally:
+        assert ff.unpatch(cls) is True
+    assert cls.__init__ is original_init
+    for model in (built, loaded):
         instance_report = ff.get_patch_report(model)
         assert instance_report is not None and instance_report.flags["rope"] is False
         assert type(model.model.norm).__name__ == "FusedQwen2RMSNorm"
         assert type(model.model.layers[0].self_attn).__name__ == "Qwen2Attention"
-        assert cls.__init__ is not original_init
-        assert inspect.signature(cls.__init__) == inspect.signature(original_init)
-    finally:
-        assert ff.unpatch(cls) is True
-    assert cls.__init__ is original_init
+    for (name, p_loaded), (_, p_saved) in zip(loaded.named_parameters(), saved.named_parameters()):
+        assert torch.equal(p_loaded, p_saved), f"{name}: loaded weights changed by the class patch"
     assert not ff.is_patched(transformers.AutoModelForCausalLM.from_config(config))
-    assert ff.is_patched(model)  # instances keep their patch until unpatched themselves
-    ff.unpatch(model)
+    assert ff.is_patched(built)  # instances keep their patch until unpatched themselves
+    ff.unpatch(built)
+    ff.unpatch(loaded)
 
 
 def test_auto_class_and_save_load_round_trip(tmp_path):
@@ -293,3 +303,14 @@ def test_custom_loss_function_is_respected():
     with pytest.warns(RuntimeWarning, match="lm_head that was replaced after apply_kernels"):
         assert model(**batch).logits is not None
     ff.unpatch(model)
+
+
+def test_rope_global_is_restored_when_the_last_patched_model_is_collected():
+    import gc
+
+    model = tiny_model("llama")
+    ff.apply_kernels(model)
+    assert modeling_llama.apply_rotary_pos_emb is not ORIGINAL_LLAMA_ROPE
+    del model
+    gc.collect()
+    assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_LLAMA_ROPE

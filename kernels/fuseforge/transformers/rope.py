@@ -12,7 +12,7 @@ in the process shares. To keep the patch per model anyway:
   covers activation-checkpoint recomputation during backward, and (re)install the
   dispatcher if it is missing (e.g. for a deep copy of a patched model);
 - the original global is put back when the last registered attention module of that
-  modeling module is unpatched.
+  modeling module is unpatched or garbage collected.
 
 If something else replaces the global after us (another patching library), we do
 not fight it: the fused path is then not taken, and unpatch leaves it in place.
@@ -131,24 +131,33 @@ def _uninstall(module_name: str) -> None:
         setattr(module, GLOBAL_NAME, install.original)
 
 
-def register(attention: nn.Module, module_name: str) -> bool:
-    """Record a patched attention module and install the dispatcher; False if it cannot be."""
+def _release_if_unused(module_name: str) -> None:
     with _LOCK:
+        if not _USERS.get(module_name):
+            _uninstall(module_name)
+
+
+def register(attention: nn.Module, module_name: str) -> bool:
+    """Record a patched attention module and install the dispatcher; False if it cannot be.
+
+    When the module is garbage collected without unpatch, the original global comes
+    back as soon as no other registered module uses it.
+    """
+    with _LOCK:
+        users = _USERS.setdefault(module_name, weakref.WeakSet())
+        users.add(attention)
         if not ensure_installed(module_name):
+            users.discard(attention)
             return False
-        _USERS.setdefault(module_name, weakref.WeakSet()).add(attention)
+        weakref.finalize(attention, _release_if_unused, module_name)
         return True
 
 
 def unregister(attention: nn.Module, module_name: str) -> None:
     """Forget a patched attention module; restore the original global once none is left."""
     with _LOCK:
-        users = _USERS.get(module_name)
-        if users is not None:
-            users.discard(attention)
-        if not users:
-            _USERS.pop(module_name, None)
-            _uninstall(module_name)
+        _USERS.setdefault(module_name, weakref.WeakSet()).discard(attention)
+    _release_if_unused(module_name)
 
 
 class FusedRoPEAttentionMixin:
