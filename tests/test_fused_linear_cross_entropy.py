@@ -7,7 +7,9 @@ import torch.nn.functional as F
 import fuseforge.ops.fused_linear_cross_entropy as flce_module
 from ce_reference import random_targets, reference_cross_entropy, reference_lse
 from fuseforge.modules.losses import FusedLinearCrossEntropyLoss
+from fuseforge.ops.cross_entropy import LossOptions
 from fuseforge.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
+from fuseforge.ops.vocab_major_cross_entropy import vocab_major_loss_and_lse
 from tolerances import assert_close
 
 REDUCTIONS = ["mean", "sum", "none"]
@@ -113,7 +115,7 @@ def test_options(options, reduction):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("h", [48, 16])  # 48: every token in grad_weight's storage; 16: then 16-bit addmm_ chunks
+@pytest.mark.parametrize("h", [48, 16])  # 48: every token in grad_weight's storage; 16: then chunks
 def test_low_precision(dtype, reduction, h):
     hidden, weight, bias = _inputs(37, h, 1000, dtype=dtype, bias=True)
     target = random_targets(37, 1000)
@@ -131,6 +133,13 @@ def test_gpu_sized_tiles(dtype, reduction):
     target = random_targets(1500, 5003)
     _compare(hidden, weight, bias, target, reduction, dtype=dtype, scale=2.0, chunk_size=200, label_smoothing=0.1,
              z_loss_scale=1e-3, softcap=30.0)
+
+
+def test_vocab_major_kernels_reject_other_layouts():
+    token_major = torch.randn(4, 10).t()  # [V=10, tokens=4] with the tokens strided
+    with pytest.raises(ValueError, match="contiguous tokens"):
+        vocab_major_loss_and_lse(token_major, torch.zeros(4, dtype=torch.long), LossOptions(),
+                                 torch.empty(4), torch.empty(4))
 
 
 def test_large_logits_are_stable():

@@ -13,6 +13,12 @@ and gradient several more. Here the logits only ever exist one chunk at a time:
   as their scratch: before grad_weight holds anything, its V*H elements fit the logits of H
   tokens, stored vocab-major ([V, tokens]). grad_weight is then produced in vocab slices
   through a small temporary, each slice overwriting only rows whose logits are consumed.
+  That block's cross-entropy runs on ops/vocab_major_cross_entropy.py (tiles whose
+  reduction stays in a thread on this layout); token-major chunks use ops/cross_entropy.py.
+* Where the time goes (H200, 8192 x 4096 -> 128256 bf16, 256-token chunks): the GEMMs at
+  full size take ~37 ms; each of the 16 chunks after the first block adds a beta=1 GEMM over
+  all of grad_weight that cuBLAS runs at ~2.5 TB/s (0.82 ms, against 0.37 ms of math), which
+  is why small chunks cost ~1 ms each. See benchmarks/RESULTS.md (issue 3).
 * For reduction "mean"/"sum" the gradients are computed in forward (the loss is a scalar) and
   backward only multiplies them by grad_output (skipped when it is exactly 1; one host sync).
 * For reduction "none" the upstream gradient differs per token, so forward computes only the
@@ -27,15 +33,15 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from fuseforge.ops.chunk_cross_entropy import chunk_grad_in_place, chunk_loss_and_lse
 from fuseforge.ops.cross_entropy import (
     LossOptions,
+    ce_forward_stats,
+    ce_write_grad,
     check_loss_options,
     check_target,
     check_target_range,
     mean_denominator_inverse,
 )
-from fuseforge.ops.matmul_accumulate import addmm_
 from fuseforge.ops.utils import (
     TRAINING_DTYPES,
     check_device_supported,
@@ -43,17 +49,21 @@ from fuseforge.ops.utils import (
     check_same_dtype,
     check_tensor,
 )
+from fuseforge.ops.vocab_major_cross_entropy import vocab_major_grad_in_place, vocab_major_loss_and_lse
 
 # Logits scratch per chunk (and the grad_weight slice temporary), the only O(V) extra memory.
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 
 def _round_rows(rows: int) -> int:
-    """Round a row count down to a GEMM-friendly multiple (128, else 8), at least 1."""
-    if rows >= 128:
-        return rows - rows % 128
-    if rows >= 8:
-        return rows - rows % 8
+    """Round a row count down to a tensor-core-friendly multiple (16, else 8), at least 1.
+
+    Not to 128: at V=151936 that turned the 220 tokens the budget allows into 128, and every
+    chunk costs a read-modify-write of all of grad_weight.
+    """
+    for multiple in (16, 8):
+        if rows >= multiple:
+            return rows - rows % multiple
     return max(rows, 1)
 
 
@@ -91,7 +101,7 @@ class _Gradients:
             torch.mm(grad_logits, weight, out=self.hidden[rows])
         if self.weight is not None:
             if self.weight_started:
-                addmm_(self.weight, grad_logits.t(), hidden_chunk)
+                self.weight.addmm_(grad_logits.t(), hidden_chunk)
             else:
                 torch.mm(grad_logits.t(), hidden_chunk, out=self.weight)
                 self.weight_started = True
@@ -126,11 +136,10 @@ def _first_block_in_grad_weight(hidden, weight, bias, target, opts, scale, grads
         torch.mm(weight, h0.t(), out=logits_t)
     else:
         torch.addmm(bias.unsqueeze(1), weight, h0.t(), out=logits_t)
-    logits = logits_t.t()  # [n0, V] view with token stride 1
-    chunk_loss_and_lse(logits, target[:n0], opts, loss[:n0], lse[:n0])
-    chunk_grad_in_place(logits, target[:n0], lse[:n0], _rows(scale, 0, n0), opts)
+    vocab_major_loss_and_lse(logits_t, target[:n0], opts, loss[:n0], lse[:n0])
+    vocab_major_grad_in_place(logits_t, target[:n0], lse[:n0], _rows(scale, 0, n0), opts)
     if grads.hidden is not None:
-        torch.mm(logits, weight, out=grads.hidden[:n0])
+        torch.mm(logits_t.t(), weight, out=grads.hidden[:n0])
     if grads.bias is not None:
         grads.bias += logits_t.sum(1, dtype=torch.float32)
     staging = weight.new_empty(min(slice_rows, n_vocab), n_hidden)
@@ -164,9 +173,9 @@ def _sweep(hidden, weight, bias, target, opts: LossOptions, scale, wanted: _Want
                 torch.mm(hidden[s:e], weight.t(), out=logits)
             else:
                 torch.addmm(bias, hidden[s:e], weight.t(), out=logits)
-            chunk_loss_and_lse(logits, target[s:e], opts, loss[s:e], lse[s:e])
+            ce_forward_stats(logits, target[s:e], opts, loss_out=loss[s:e], lse_out=lse[s:e])
             if grads is not None:
-                chunk_grad_in_place(logits, target[s:e], lse[s:e], _rows(scale, s, e), opts)
+                ce_write_grad(logits, target[s:e], lse[s:e], _rows(scale, s, e), opts, out=logits)
                 grads.add_chunk(logits, hidden[s:e], weight, slice(s, e))
         del scratch
     if grads is not None:

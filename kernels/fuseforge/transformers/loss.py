@@ -142,6 +142,10 @@ def _fallback_reason(model: nn.Module) -> str | None:
         return "has a custom loss_function"
     if not isinstance(model.lm_head, FusedLossHeadMixin):
         return "has an lm_head that was replaced after apply_kernels"
+    if hasattr(model.lm_head.weight, "ds_id"):
+        # DeepSpeed ZeRO-3 re-gathers a module's weights for backward through hooks on that module's
+        # outputs; the placeholder the head returns is not in the loss graph, so they would be missing.
+        return "has DeepSpeed ZeRO-3 partitioned lm_head weights"
     return None
 
 

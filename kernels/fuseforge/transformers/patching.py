@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -30,18 +31,7 @@ from fuseforge.transformers.loss import (
     fused_forward_for,
     is_stock_loss,
 )
-from fuseforge.transformers.report import KERNEL_FLAGS, PatchReport
-
-DEFAULT_FLAGS = types.MappingProxyType(
-    dict(
-        rms_norm=True,
-        rope=True,
-        swiglu=True,
-        fused_linear_cross_entropy=True,
-        cross_entropy=False,
-        layer_norm=True,
-    )
-)
+from fuseforge.transformers.report import PatchReport
 
 _STATE_ATTR = "_fuseforge_state"
 _CLASS_ATTR = "_fuseforge_class_patch"
@@ -63,14 +53,10 @@ _MISSING = object()
 
 
 def _check_flags(flags: dict) -> dict:
-    merged = dict(DEFAULT_FLAGS)
     for name, value in flags.items():
-        if name not in DEFAULT_FLAGS:
-            raise TypeError(f"unknown kernel flag {name!r}; expected one of {', '.join(KERNEL_FLAGS)}")
         if not isinstance(value, bool):
             raise TypeError(f"kernel flag {name} must be a bool, got {type(value).__name__}")
-        merged[name] = value
-    return merged
+    return dict(flags)
 
 
 def _model_type(model_or_class) -> str | None:
@@ -245,8 +231,8 @@ def _patch_class(cls: type, flags: dict) -> PatchReport:
     cls.__init__ = __init__
     setattr(cls, _CLASS_ATTR, patch)
     if family is None:
-        warnings.warn(report.summary() + "\n  (not a supported family: only recognised modules will be fused)",
-                      UserWarning, stacklevel=3)
+        report.notes.append("not a supported family: only modules recognised from their code will be fused")
+        warnings.warn(report.summary(), UserWarning, stacklevel=3)
     return report
 
 
@@ -265,12 +251,21 @@ def _unpatch_class(cls: type) -> bool:
 # --- public API --------------------------------------------------------------------------------
 
 
-def apply_kernels(model_or_class, **flags) -> PatchReport:
+def apply_kernels(
+    model_or_class,
+    *,
+    rms_norm: bool = True,
+    rope: bool = True,
+    swiglu: bool = True,
+    fused_linear_cross_entropy: bool = True,
+    cross_entropy: bool = False,
+    layer_norm: bool = True,
+) -> PatchReport:
     """Swap fuseforge's fused kernels into a Hugging Face model (instance) or model class.
 
-    Flags (all bool): rms_norm, layer_norm, rope, swiglu (gated MLPs: SwiGLU and GeGLU,
-    MoE experts), fused_linear_cross_entropy (training loss without logits),
-    cross_entropy (the loss when logits are computed); defaults in DEFAULT_FLAGS.
+    Flags: rms_norm, layer_norm, rope, swiglu (gated MLPs: SwiGLU and GeGLU, MoE experts),
+    fused_linear_cross_entropy (training loss without logits), cross_entropy (the loss
+    when logits are computed).
 
     On an instance, already-loaded weights are kept: modules change class, not
     parameters. Patching again with the same flags is a no-op; with other flags the
@@ -286,7 +281,16 @@ def apply_kernels(model_or_class, **flags) -> PatchReport:
     Unknown model types are patched where modules are recognised from their code and
     get a warning naming what was and was not patched. Returns a PatchReport.
     """
-    flags = _check_flags(flags)
+    flags = _check_flags(
+        dict(
+            rms_norm=rms_norm,
+            layer_norm=layer_norm,
+            rope=rope,
+            swiglu=swiglu,
+            fused_linear_cross_entropy=fused_linear_cross_entropy,
+            cross_entropy=cross_entropy,
+        )
+    )
     if isinstance(model_or_class, type):
         if not issubclass(model_or_class, nn.Module):
             raise TypeError(f"model_or_class must be an nn.Module or an nn.Module class, got {model_or_class!r}")
@@ -301,6 +305,15 @@ def apply_kernels(model_or_class, **flags) -> PatchReport:
             return state.report
         unpatch(model_or_class)
     return _patch_instance(model_or_class, flags)
+
+
+DEFAULT_FLAGS = types.MappingProxyType(
+    {
+        name: param.default
+        for name, param in inspect.signature(apply_kernels).parameters.items()
+        if param.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+)
 
 
 def unpatch(model_or_class) -> bool:

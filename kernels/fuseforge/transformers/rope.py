@@ -133,7 +133,8 @@ def _uninstall(module_name: str) -> None:
 
 def _release_if_unused(module_name: str) -> None:
     with _LOCK:
-        if not _USERS.get(module_name):
+        # Iterate rather than len(): inside a finalizer the dying module may still be counted.
+        if not any(True for _ in _USERS.get(module_name, ())):
             _uninstall(module_name)
 
 
