@@ -67,7 +67,7 @@ def case_fused_linear_jsd(n, hs_size, ht_size, vocab, beta, temperature, dtype, 
     if liger is not None and hasattr(liger, "LigerFusedLinearJSD"):
         # positional (beta, ignore_index, temperature): the keyword name changed across Liger versions
         liger_loss = liger.LigerFusedLinearJSD(beta, -100, temperature)
-        impls["liger"] = lambda: liger_loss(hs, ws, ht, wt)
+        impls["liger"] = lambda: liger_loss(hs, ws, ht, wt, None)  # shift_labels: required positional in 0.8.5
     # compute-bound: no bytes floor (min_bytes=0); TFLOP/s is added to the note after timing.
     return Case("fused_linear_jsd", f"{n}x{hs_size}/{ht_size}x{vocab}", [hs, ws], impls, 0)
 

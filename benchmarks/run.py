@@ -290,6 +290,8 @@ def bench_case(case: Case, bandwidth: float, smoke: bool) -> list[Measurement]:
             if name != "eager":
                 m.max_abs_err = _max_abs_err(fwd, case.impls["eager"])
             if not smoke:
+                for t in case.leaves:  # the last run's grads would otherwise count as "before"
+                    t.grad = None
                 m.extra_mib = peak_extra_mib(run)
                 m.ms = time_ms(run)
                 try:
