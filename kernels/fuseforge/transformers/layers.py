@@ -44,6 +44,7 @@ _ACTIVATIONS = {
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "gelu": F.gelu,
 }
+_GLU_NAMES = {"silu": "swiglu", "gelu_tanh": "geglu tanh", "gelu": "geglu"}
 
 
 def classify_activation(act: object) -> str | None:
@@ -225,9 +226,6 @@ def _plan_experts(module: nn.Module, cls: type, name: str) -> Plan:
         SwiGLUExpertsGateMixin,
         reason=f"{name}: eager experts loop not recognised; only the grouped_mm/batched_mm gate is fused",
     )
-
-
-_GLU_NAMES = {"silu": "swiglu", "gelu_tanh": "geglu tanh", "gelu": "geglu"}
 
 
 def plan(module: nn.Module) -> Plan | None:

@@ -14,6 +14,10 @@ with `ignore_index` (or `shift_labels` as given), mean over non-ignored tokens, 
 sum / `num_items_in_batch` when the Trainer passes it for gradient accumulation;
 Gemma's final-logit softcapping is applied inside the kernel; Mixtral's router
 auxiliary loss is added as its forward does. The returned output has `logits=None`.
+
+The forward falls back to logits (with a warning) when the fused loss cannot stand in:
+a custom `loss_function`, an `lm_head` replaced after patching, or DeepSpeed ZeRO-3
+partitioned head weights.
 """
 
 from __future__ import annotations
