@@ -8,6 +8,7 @@ rank 0's). Plain PyTorch + transformers: nothing here imports Flyte.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -229,4 +230,9 @@ def train(spec: TrainSpec) -> TrainMetrics:
     finally:
         if run is not None:
             run.strategy.close()
+            # Free the wrapped model (DDP's reducer holds the process group) while the group is
+            # still alive: freed after destroy_process_group, gloo's destructor can hang joining
+            # its worker threads.
+            run = None
+            gc.collect()
         ctx.close()
