@@ -4,6 +4,7 @@ patching, RoPE scoping, unknown model types, flag validation, save/load round tr
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import warnings
 
@@ -28,6 +29,14 @@ from transformers.models.llama import modeling_llama  # noqa: E402
 
 FP32 = torch.float32
 ORIGINAL_LLAMA_ROPE = modeling_llama.apply_rotary_pos_emb
+
+
+@pytest.fixture(autouse=True)
+def _collect_dead_patched_models():
+    """Patched models from earlier tests in this process can sit in reference cycles until the
+    cyclic GC runs; collect them so that each test sees only its own models' RoPE patch."""
+    gc.collect()
+    yield
 
 
 def _quiet_apply(model, **flags):
