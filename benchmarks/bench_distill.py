@@ -31,10 +31,10 @@ from common import (  # noqa: E402
     H200_COPY_BYTES_PER_S,
     Measurement,
     environment,
+    finish,
     format_table,
     measure_copy_bandwidth,
     try_import,
-    write_json,
 )
 from run import Case, bench_case, case_jsd, ref_jsd  # noqa: E402
 
@@ -144,10 +144,7 @@ def main(argv=None) -> int:
         if device == "cuda":
             torch.cuda.empty_cache()
     print("\n## all results\n" + format_table(rows))
-    if args.json:
-        write_json(args.json, rows, env)
-    failed = [r for r in rows if r.impl == "fuseforge" and r.note.startswith("failed")]
-    return 1 if failed else 0
+    return finish(rows, env, args.json)
 
 
 if __name__ == "__main__":

@@ -35,12 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (  # noqa: E402
     Measurement,
     environment,
+    finish,
     format_table,
     fwd_bwd,
     peak_extra_mib,
     time_ms,
     try_import,
-    write_json,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -206,10 +206,7 @@ def main(argv=None) -> int:
         print(format_table(shape_rows) + "\n\n" + diffs_table(shape_rows) + "\n", flush=True)
     if len(shapes) > 1:
         print("## all results\n" + format_table(rows) + "\n\n" + diffs_table(rows))
-    if args.json:
-        write_json(args.json, rows, env)
-    failed = [r for r in rows if r.impl == "fuseforge" and r.note.startswith("failed")]
-    return 1 if failed else 0
+    return finish(rows, env, args.json)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,14 @@ def write_json(path: str, rows: list[Measurement], env: dict) -> None:
         json.dump({"environment": env, "results": [asdict(r) for r in rows]}, f, indent=2)
 
 
+def finish(rows: list[Measurement], env: dict, json_path: str | None) -> int:
+    """Write the JSON report when asked; the exit status is 1 when any fuseforge measurement failed."""
+    if json_path:
+        write_json(json_path, rows, env)
+    failed = [r for r in rows if r.impl == "fuseforge" and r.note.startswith("failed")]
+    return 1 if failed else 0
+
+
 def try_import(name: str):
     """Import an optional baseline library; None when it is not installed or fails to import."""
     try:

@@ -31,13 +31,13 @@ from common import (  # noqa: E402
     cuda_graph_ms,
     Measurement,
     environment,
+    finish,
     format_table,
     fwd_bwd,
     measure_copy_bandwidth,
     peak_extra_mib,
     time_ms,
     try_import,
-    write_json,
 )
 
 EPS = 1e-6
@@ -341,10 +341,7 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
             print(format_table([r for r in rows if r.op == op and r.shape == rows[-1].shape]), flush=True)
     print("\n## all results\n" + format_table(rows))
-    if args.json:
-        write_json(args.json, rows, env)
-    failed = [r for r in rows if r.impl == "fuseforge" and r.note.startswith("failed")]
-    return 1 if failed else 0
+    return finish(rows, env, args.json)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import os
 import sys
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Iterator, Optional
 
 from flytekit import Deck, PodTemplate, Resources, task
 from flytekit.core.context_manager import FlyteContextManager
@@ -37,12 +37,17 @@ class ElasticTraining(Elastic):
     """kfpytorch's Elastic, plus how many workers to start when the task runs locally."""
 
     local_nproc_per_node: int = 2
+    # Checks the task inputs in the launching process, so bad input fails once, before any worker
+    # starts (else every worker fails and torch elastic restarts the group max_restarts times).
+    check_inputs: Optional[Callable[..., None]] = None
 
 
 class ElasticTrainingTask(PytorchElasticFunctionTask):
     """Runs as registered on the cluster; locally, one node of `local_nproc_per_node` workers."""
 
     def execute(self, **kwargs: Any) -> Any:
+        if self.task_config.check_inputs is not None:
+            self.task_config.check_inputs(**kwargs)
         # A fresh rendezvous store per restart round, or restarted workers can read the dead round's
         # addresses (see fuseforge_flyte.training.distributed); pods also get it from `environment`.
         launch_env = {SHARED_STORE_ENV: "1"}
@@ -104,7 +109,7 @@ def use_triton_interpreter_without_cuda() -> None:
 # ------------------------------------------------------------------------------- decorator arguments
 
 
-def elastic_config(config: PlatformConfig) -> ElasticTraining:
+def elastic_config(config: PlatformConfig, check_inputs: Optional[Callable[..., None]] = None) -> ElasticTraining:
     e = config.elastic
     return ElasticTraining(
         nnodes=e.nnodes,
@@ -119,7 +124,13 @@ def elastic_config(config: PlatformConfig) -> ElasticTraining:
             "read_timeout": e.rdzv_read_timeout,
         },
         increase_shared_mem=False,  # /dev/shm comes from @task(shared_memory=...) below
+        check_inputs=check_inputs,
     )
+
+
+def check_train_inputs(**inputs: Any) -> None:
+    """train_model's inputs are TrainSpec's fields: raise ValueError/TypeError naming the first bad one."""
+    TrainSpec(**inputs).validate()
 
 
 def pod_template(config: PlatformConfig) -> Optional[PodTemplate]:
@@ -141,13 +152,13 @@ def pod_template(config: PlatformConfig) -> Optional[PodTemplate]:
     return PodTemplate(pod_spec=spec)
 
 
-def training_task_options(config: PlatformConfig) -> Dict[str, Any]:
-    """Keyword arguments of @task for the training task, all from platform.toml."""
+def training_task_options(config: PlatformConfig, check_inputs: Optional[Callable[..., None]] = None) -> Dict[str, Any]:
+    """Keyword arguments of @task for the training task, all from platform.toml (check_inputs: see ElasticTraining)."""
     cluster = config.cluster
     # Strings: the kubernetes client behind pod templates rejects integer quantities.
     gpu = {"gpu": str(cluster.gpus)} if cluster.gpus > 0 else {}
     options: Dict[str, Any] = dict(
-        task_config=elastic_config(config),
+        task_config=elastic_config(config, check_inputs),
         container_image=training_image(config),
         requests=Resources(cpu=cluster.cpu, mem=cluster.memory, **gpu),
         limits=Resources(mem=cluster.memory, **gpu),
@@ -205,7 +216,7 @@ def run_training(spec: TrainSpec) -> TrainMetrics:
     return metrics
 
 
-@task(**training_task_options(CONFIG))
+@task(**training_task_options(CONFIG, check_inputs=check_train_inputs))
 def train_model(
     model: str = DEFAULTS.model,
     dataset: str = DEFAULTS.dataset,

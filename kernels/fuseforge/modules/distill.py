@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from fuseforge.modules._checks import check_size
 from fuseforge.ops.jsd import JSD_REDUCTIONS, check_beta, fused_linear_jsd, jsd
 from fuseforge.ops.kl_div import KL_REDUCTIONS, kl_div
 from fuseforge.ops.utils import check_positive, check_reduction
@@ -41,6 +42,8 @@ class FusedLinearJSDLoss(torch.nn.Module):
         self.beta = check_beta(beta)
         self.temperature = check_positive("temperature", temperature)
         self.ignore_index = ignore_index
+        if chunk_size is not None:
+            chunk_size = check_size("chunk_size", chunk_size)
         self.chunk_size = chunk_size
 
     def forward(self, student_hidden, student_weight, teacher_hidden, teacher_weight, target=None):
@@ -59,6 +62,8 @@ class KLDivLoss(torch.nn.Module):
     def __init__(self, reduction: str = "batchmean", log_target: bool = False):
         super().__init__()
         self.reduction = check_reduction(reduction, KL_REDUCTIONS)
+        if not isinstance(log_target, bool):
+            raise TypeError(f"log_target must be a bool, got {type(log_target).__name__}")
         self.log_target = log_target
 
     def forward(self, input, target):

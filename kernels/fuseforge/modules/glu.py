@@ -11,15 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fuseforge.modules._checks import check_size
 from fuseforge.ops.glu import GELU_APPROXIMATIONS, geglu, swiglu
-
-
-def _check_size(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-    return value
 
 
 class _GatedMLP(nn.Module):
@@ -27,8 +20,8 @@ class _GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None):
         super().__init__()
-        self.hidden_size = _check_size("hidden_size", hidden_size)
-        self.intermediate_size = _check_size("intermediate_size", intermediate_size)
+        self.hidden_size = check_size("hidden_size", hidden_size)
+        self.intermediate_size = check_size("intermediate_size", intermediate_size)
         factory = dict(bias=bias, device=device, dtype=dtype)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **factory)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **factory)

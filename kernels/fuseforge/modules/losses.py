@@ -12,7 +12,32 @@ from fuseforge.ops.cross_entropy import check_loss_options, cross_entropy
 from fuseforge.ops.fused_linear_cross_entropy import check_chunk_size, fused_linear_cross_entropy
 
 
-class CrossEntropyLoss(torch.nn.Module):
+class _CrossEntropyOptions(torch.nn.Module):
+    """Holds the validated loss options that both cross-entropy modules pass to their op."""
+
+    def __init__(self, ignore_index, reduction, label_smoothing, z_loss_scale, softcap):
+        super().__init__()
+        opts = check_loss_options(ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
+        self.ignore_index = opts.ignore_index
+        self.reduction = reduction
+        self.label_smoothing = opts.label_smoothing
+        self.z_loss_scale = opts.z_loss_scale
+        self.softcap = opts.softcap
+
+    def _loss_options(self) -> dict:
+        return dict(
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+            z_loss_scale=self.z_loss_scale,
+            softcap=self.softcap,
+        )
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self._loss_options().items())
+
+
+class CrossEntropyLoss(_CrossEntropyOptions):
     """torch.nn.CrossEntropyLoss with class-index targets, backed by fuseforge's Triton kernel.
 
     forward(input [..., V], target [...]) -> loss. For inputs of rank > 2 the class dimension
@@ -31,35 +56,17 @@ class CrossEntropyLoss(torch.nn.Module):
         softcap: float | None = None,
         inplace_grad: bool = False,
     ):
-        super().__init__()
-        opts = check_loss_options(ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
-        self.ignore_index = opts.ignore_index
-        self.reduction = reduction
-        self.label_smoothing = opts.label_smoothing
-        self.z_loss_scale = opts.z_loss_scale
-        self.softcap = opts.softcap
+        super().__init__(ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
         self.inplace_grad = bool(inplace_grad)
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return cross_entropy(
-            input,
-            target,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-            label_smoothing=self.label_smoothing,
-            z_loss_scale=self.z_loss_scale,
-            softcap=self.softcap,
-            inplace_grad=self.inplace_grad,
-        )
+        return cross_entropy(input, target, **self._loss_options(), inplace_grad=self.inplace_grad)
 
     def extra_repr(self) -> str:
-        return (
-            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, label_smoothing={self.label_smoothing}, "
-            f"z_loss_scale={self.z_loss_scale}, softcap={self.softcap}, inplace_grad={self.inplace_grad}"
-        )
+        return f"{super().extra_repr()}, inplace_grad={self.inplace_grad}"
 
 
-class FusedLinearCrossEntropyLoss(torch.nn.Module):
+class FusedLinearCrossEntropyLoss(_CrossEntropyOptions):
     """Cross-entropy of an LM head's logits, computed without materialising them.
 
     forward(hidden [..., H], weight [V, H], target [...], bias=None, num_items_in_batch=None)
@@ -79,13 +86,7 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
         return_lse: bool = False,
         chunk_size: int | None = None,
     ):
-        super().__init__()
-        opts = check_loss_options(ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
-        self.ignore_index = opts.ignore_index
-        self.reduction = reduction
-        self.label_smoothing = opts.label_smoothing
-        self.z_loss_scale = opts.z_loss_scale
-        self.softcap = opts.softcap
+        super().__init__(ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
         self.return_lse = bool(return_lse)
         self.chunk_size = check_chunk_size(chunk_size)
 
@@ -102,19 +103,11 @@ class FusedLinearCrossEntropyLoss(torch.nn.Module):
             weight,
             target,
             bias=bias,
-            ignore_index=self.ignore_index,
-            reduction=self.reduction,
-            label_smoothing=self.label_smoothing,
-            z_loss_scale=self.z_loss_scale,
-            softcap=self.softcap,
+            **self._loss_options(),
             return_lse=self.return_lse,
             num_items_in_batch=num_items_in_batch,
             chunk_size=self.chunk_size,
         )
 
     def extra_repr(self) -> str:
-        return (
-            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, label_smoothing={self.label_smoothing}, "
-            f"z_loss_scale={self.z_loss_scale}, softcap={self.softcap}, return_lse={self.return_lse}, "
-            f"chunk_size={self.chunk_size}"
-        )
+        return f"{super().extra_repr()}, return_lse={self.return_lse}, chunk_size={self.chunk_size}"

@@ -12,6 +12,7 @@ import math
 import torch
 from torch import nn
 
+from fuseforge.modules._checks import check_size
 from fuseforge.ops.layer_norm import layer_norm
 from fuseforge.ops.rms_norm import CASTING_MODES, fused_add_rms_norm, rms_norm
 from fuseforge.ops.utils import check_positive
@@ -41,9 +42,11 @@ class RMSNorm(nn.Module):
             raise ValueError(f"casting must be one of {CASTING_MODES}, got {casting!r}")
         if init not in _WEIGHT_INITS:
             raise ValueError(f"init must be one of {tuple(_WEIGHT_INITS)}, got {init!r}")
-        if not math.isfinite(float(offset)):
+        if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+            raise TypeError(f"offset must be a number, got {type(offset).__name__}")
+        if not math.isfinite(offset):
             raise ValueError(f"offset must be finite, got {offset}")
-        self.hidden_size = int(hidden_size)
+        self.hidden_size = check_size("hidden_size", hidden_size)
         self.variance_epsilon = check_positive("eps", eps)
         self.offset = float(offset)
         self.casting = casting

@@ -38,7 +38,7 @@ from fuseforge.ops.utils import (
 
 # Per (vocab split, token) the stats kernel leaves: running max, sum of exp(z - max),
 # sum of z (label smoothing) and the target's logit (0 unless the split holds it).
-_N_STATS = 4
+N_STATS = 4
 
 
 @dataclass(frozen=True)
@@ -130,20 +130,35 @@ def _softcap_slope(x, softcap):
 
 
 @triton.jit
-def _fold_tile_stats(
-    x, mask, offs_v, target, run_max, run_sum, logit_sum, target_logit, softcap, HAS_SOFTCAP: tl.constexpr
+def fold_tile_stats(
+    x, mask, hits_target, run_max, run_sum, logit_sum, target_logit, softcap,
+    HAS_SOFTCAP: tl.constexpr, VOCAB_AXIS: tl.constexpr,
 ):
-    """Fold one [BLOCK_T, BLOCK_V] tile of logits into the running softmax statistics."""
+    """Fold one tile of logits (vocabulary along VOCAB_AXIS) into the running softmax statistics.
+
+    Shared by the token-major ([tokens, vocab] tiles, VOCAB_AXIS=1) and vocab-major
+    ([vocab, tokens] tiles, VOCAB_AXIS=0) kernels so that both compute the same loss.
+    """
     z = _capped_logits(x, softcap, HAS_SOFTCAP)
     z = tl.where(mask, z, float("-inf"))
-    new_max = tl.maximum(run_max, tl.max(z, axis=1))
+    new_max = tl.maximum(run_max, tl.max(z, axis=VOCAB_AXIS))
     # A row with nothing seen yet keeps max = -inf; shift by 0 there so exp() gives 0, not NaN.
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-    run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - shift[:, None]), axis=1)
-    logit_sum += tl.sum(tl.where(mask, z, 0.0), axis=1)
-    is_target = mask & (offs_v[None, :] == target[:, None])
-    target_logit += tl.sum(tl.where(is_target, z, 0.0), axis=1)
+    run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - tl.expand_dims(shift, VOCAB_AXIS)), axis=VOCAB_AXIS)
+    logit_sum += tl.sum(tl.where(mask, z, 0.0), axis=VOCAB_AXIS)
+    target_logit += tl.sum(tl.where(mask & hits_target, z, 0.0), axis=VOCAB_AXIS)
     return new_max, run_sum, logit_sum, target_logit
+
+
+@triton.jit
+def store_split_stats(stats_ptr, pid_s, n_splits, offs_t, mask_t, n_tokens, run_max, run_sum, logit_sum, target_logit):
+    """Write one vocabulary split's statistics into stats [N_STATS, n_splits, n_tokens]."""
+    field = n_splits * n_tokens
+    out = stats_ptr + pid_s * n_tokens + offs_t
+    tl.store(out, run_max, mask=mask_t)
+    tl.store(out + field, run_sum, mask=mask_t)
+    tl.store(out + 2 * field, logit_sum, mask=mask_t)
+    tl.store(out + 3 * field, target_logit, mask=mask_t)
 
 
 @triton.jit
@@ -161,7 +176,7 @@ def _token_loss(
 
 
 @triton.jit
-def _grad_coefficients(scale, valid, lse, n_vocab, label_smoothing, z_loss_scale):
+def grad_coefficients(scale, valid, lse, n_vocab, label_smoothing, z_loss_scale):
     """(softmax coefficient, smoothing term, target term, lse to shift by) of scale * dloss/dz."""
     scale = tl.where(valid, scale, 0.0)
     # d/dz [lse + z_loss_scale * lse^2] = (1 + 2 * z_loss_scale * lse) * softmax
@@ -173,14 +188,37 @@ def _grad_coefficients(scale, valid, lse, n_vocab, label_smoothing, z_loss_scale
 
 
 @triton.jit
-def _grad_tile(x, offs_v, target, valid, lse, softmax_coef, smooth, hit, softcap, HAS_SOFTCAP: tl.constexpr):
-    """scale * dloss/dlogits for one [BLOCK_T, BLOCK_V] tile of logits x (fp32)."""
+def load_grad_coefficients(
+    target_ptr, lse_ptr, scale_ptr, offs_t, mask_t, n_vocab, ignore_index, label_smoothing, z_loss_scale,
+    SCALE_PER_ROW: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    """(target, valid, then grad_coefficients' terms) for the tokens offs_t; `scale` holds one
+    element, or one per token when SCALE_PER_ROW."""
+    target = tl.load(target_ptr + offs_t, mask=mask_t, other=ignore_index)
+    valid = mask_t & (target != ignore_index)
+    if SCALE_PER_ROW:
+        scale = tl.load(scale_ptr + offs_t, mask=mask_t, other=0.0).to(tl.float32)
+    else:
+        scale = tl.load(scale_ptr).to(tl.float32) + tl.zeros([BLOCK_T], tl.float32)
+    lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
+    softmax_coef, smooth, hit, lse = grad_coefficients(scale, valid, lse, n_vocab, label_smoothing, z_loss_scale)
+    return target, valid, softmax_coef, smooth, hit, lse
+
+
+@triton.jit
+def grad_tile(
+    x, hits_target, valid, lse, softmax_coef, smooth, hit, softcap,
+    HAS_SOFTCAP: tl.constexpr, VOCAB_AXIS: tl.constexpr,
+):
+    """scale * dloss/dlogits for one tile of logits x (fp32, vocabulary along VOCAB_AXIS);
+    the per-token terms come from grad_coefficients."""
     z = _capped_logits(x, softcap, HAS_SOFTCAP)
-    g = softmax_coef[:, None] * tl.exp(z - lse[:, None]) - smooth[:, None]
-    g -= tl.where(offs_v[None, :] == target[:, None], hit[:, None], 0.0)
+    g = tl.expand_dims(softmax_coef, VOCAB_AXIS) * tl.exp(z - tl.expand_dims(lse, VOCAB_AXIS))
+    g -= tl.expand_dims(smooth, VOCAB_AXIS)
+    g -= tl.where(hits_target, tl.expand_dims(hit, VOCAB_AXIS), 0.0)
     if HAS_SOFTCAP:
         g *= _softcap_slope(x, softcap)
-    return tl.where(valid[:, None], g, 0.0)
+    return tl.where(tl.expand_dims(valid, VOCAB_AXIS), g, 0.0)
 
 
 @triton.jit
@@ -208,20 +246,15 @@ def _ce_stats_kernel(
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask = mask_t[:, None] & (offs_v < v_end)[None, :]
         x = tl.load(row[:, None] + offs_v.to(tl.int64)[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
-        run_max, run_sum, logit_sum, target_logit = _fold_tile_stats(
-            x, mask, offs_v, target, run_max, run_sum, logit_sum, target_logit, softcap, HAS_SOFTCAP
+        hits_target = offs_v[None, :] == target[:, None]
+        run_max, run_sum, logit_sum, target_logit = fold_tile_stats(
+            x, mask, hits_target, run_max, run_sum, logit_sum, target_logit, softcap, HAS_SOFTCAP, VOCAB_AXIS=1
         )
-
-    field = n_splits * n_tokens
-    out = stats_ptr + pid_s * n_tokens + offs_t
-    tl.store(out, run_max, mask=mask_t)
-    tl.store(out + field, run_sum, mask=mask_t)
-    tl.store(out + 2 * field, logit_sum, mask=mask_t)
-    tl.store(out + 3 * field, target_logit, mask=mask_t)
+    store_split_stats(stats_ptr, pid_s, n_splits, offs_t, mask_t, n_tokens, run_max, run_sum, logit_sum, target_logit)
 
 
 @triton.jit
-def _ce_finalize_kernel(
+def ce_finalize_kernel(
     stats_ptr, target_ptr, loss_ptr, lse_ptr,
     n_tokens, n_splits, n_vocab, ignore_index, label_smoothing, z_loss_scale,
     HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -261,14 +294,10 @@ def _ce_grad_kernel(
     pid_s = tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < n_tokens
-    target = tl.load(target_ptr + offs_t, mask=mask_t, other=ignore_index)
-    valid = mask_t & (target != ignore_index)
-    if SCALE_PER_ROW:
-        scale = tl.load(scale_ptr + offs_t, mask=mask_t, other=0.0).to(tl.float32)
-    else:
-        scale = tl.load(scale_ptr).to(tl.float32) + tl.zeros([BLOCK_T], tl.float32)
-    lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
-    softmax_coef, smooth, hit, lse = _grad_coefficients(scale, valid, lse, n_vocab, label_smoothing, z_loss_scale)
+    target, valid, softmax_coef, smooth, hit, lse = load_grad_coefficients(
+        target_ptr, lse_ptr, scale_ptr, offs_t, mask_t, n_vocab, ignore_index, label_smoothing, z_loss_scale,
+        SCALE_PER_ROW, BLOCK_T,
+    )
 
     x_row = x_ptr + offs_t.to(tl.int64) * stride_xt
     g_row = g_ptr + offs_t.to(tl.int64) * stride_gt
@@ -279,7 +308,8 @@ def _ce_grad_kernel(
         offs_v64 = offs_v.to(tl.int64)
         mask = mask_t[:, None] & (offs_v < v_end)[None, :]
         x = tl.load(x_row[:, None] + offs_v64[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
-        g = _grad_tile(x, offs_v, target, valid, lse, softmax_coef, smooth, hit, softcap, HAS_SOFTCAP)
+        hits_target = offs_v[None, :] == target[:, None]
+        g = grad_tile(x, hits_target, valid, lse, softmax_coef, smooth, hit, softcap, HAS_SOFTCAP, VOCAB_AXIS=1)
         tl.store(g_row[:, None] + offs_v64[None, :] * stride_gv, g.to(g_ptr.dtype.element_ty), mask=mask)
 
 
@@ -289,7 +319,9 @@ def _ce_grad_kernel(
 
 
 @dataclass(frozen=True)
-class _Tiling:
+class VocabSplitTiling:
+    """Tile shape and vocabulary split of a cross-entropy launch (also used by vocab_major_cross_entropy)."""
+
     block_t: int
     block_v: int
     num_warps: int
@@ -297,7 +329,7 @@ class _Tiling:
     vocab_per_split: int
 
 
-def _tiling(logits: torch.Tensor, n_splits: int | None = None) -> _Tiling:
+def _tiling(logits: torch.Tensor, n_splits: int | None = None) -> VocabSplitTiling:
     """Tile shape by memory layout; split the vocabulary until the grid fills the device."""
     n_tokens, n_vocab = logits.shape
     if is_interpreter():
@@ -318,7 +350,7 @@ def _tiling(logits: torch.Tensor, n_splits: int | None = None) -> _Tiling:
     n_splits = max(1, min(int(n_splits), max_splits))
     vocab_per_split = triton.cdiv(triton.cdiv(n_vocab, n_splits), block_v) * block_v
     n_splits = triton.cdiv(n_vocab, vocab_per_split)
-    return _Tiling(block_t, block_v, warps, n_splits, vocab_per_split)
+    return VocabSplitTiling(block_t, block_v, warps, n_splits, vocab_per_split)
 
 
 def ce_forward_stats(
@@ -336,7 +368,7 @@ def ce_forward_stats(
     if n_tokens == 0:
         return loss, lse
     tiling = _tiling(logits, n_splits)
-    stats = torch.empty(_N_STATS, tiling.n_splits, n_tokens, dtype=torch.float32, device=logits.device)
+    stats = torch.empty(N_STATS, tiling.n_splits, n_tokens, dtype=torch.float32, device=logits.device)
     softcap = opts.softcap if opts.softcap is not None else 1.0
     grid = (triton.cdiv(n_tokens, tiling.block_t), tiling.n_splits)
     _ce_stats_kernel[grid](
@@ -346,7 +378,7 @@ def ce_forward_stats(
         num_warps=tiling.num_warps,
     )
     block_t = 16 if is_interpreter() else 128
-    _ce_finalize_kernel[(triton.cdiv(n_tokens, block_t),)](
+    ce_finalize_kernel[(triton.cdiv(n_tokens, block_t),)](
         stats, target, loss, lse,
         n_tokens, tiling.n_splits, n_vocab, opts.ignore_index, opts.label_smoothing, opts.z_loss_scale,
         HAS_SMOOTHING=opts.label_smoothing > 0.0, HAS_Z_LOSS=opts.z_loss_scale > 0.0,

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 from torch.autograd.function import once_differentiable
 
@@ -275,8 +277,8 @@ def _loss_scale(target, reduction, ignore_index, num_items_in_batch, device) -> 
             return torch.where(denom > 0, 1.0 / denom, torch.zeros_like(denom))
         if not isinstance(num_items_in_batch, (int, float)):
             raise TypeError(f"num_items_in_batch must be an int or a tensor, got {type(num_items_in_batch).__name__}")
-        if not num_items_in_batch > 0:
-            raise ValueError(f"num_items_in_batch must be > 0, got {num_items_in_batch}")
+        if not (math.isfinite(num_items_in_batch) and num_items_in_batch > 0):
+            raise ValueError(f"num_items_in_batch must be > 0, got {num_items_in_batch} (a finite count of target tokens)")
         return torch.full((1,), 1.0 / num_items_in_batch, dtype=torch.float32, device=device)
     if reduction == "mean":
         return mean_denominator_inverse(target, ignore_index).reshape(1)

@@ -30,6 +30,7 @@ from fuseforge.ops.utils import (
     check_same_dtype,
     check_tensor,
     is_interpreter,
+    upcast,
 )
 
 SILU, GELU_TANH, GELU_ERF = 0, 1, 2
@@ -69,14 +70,6 @@ def _activation(g, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _upcast(x, FP64: tl.constexpr):
-    if FP64:
-        return x.to(tl.float64)
-    else:
-        return x.to(tl.float32)
-
-
-@triton.jit
 def _tile(n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """This program's [BLOCK_R, BLOCK_C] tile of a 1-D grid laid row-block-major over the tiles."""
     pid = tl.program_id(0)
@@ -95,8 +88,8 @@ def _glu_forward_kernel(
     ACTIVATION: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP64: tl.constexpr,
 ):
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_R, BLOCK_C)
-    g = _upcast(tl.load(gate_ptr + rows * stride_gate + cols, mask=mask, other=0.0), FP64)
-    u = _upcast(tl.load(up_ptr + rows * stride_up + cols, mask=mask, other=0.0), FP64)
+    g = upcast(tl.load(gate_ptr + rows * stride_gate + cols, mask=mask, other=0.0), FP64)
+    u = upcast(tl.load(up_ptr + rows * stride_up + cols, mask=mask, other=0.0), FP64)
     act, _ = _activation(g, ACTIVATION)
     out = act * u
     tl.store(out_ptr + rows * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -110,9 +103,9 @@ def _glu_backward_kernel(
     ACTIVATION: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP64: tl.constexpr,
 ):
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_R, BLOCK_C)
-    dout = _upcast(tl.load(grad_out_ptr + rows * stride_grad_out + cols, mask=mask, other=0.0), FP64)
-    g = _upcast(tl.load(gate_ptr + rows * stride_gate + cols, mask=mask, other=0.0), FP64)
-    u = _upcast(tl.load(up_ptr + rows * stride_up + cols, mask=mask, other=0.0), FP64)
+    dout = upcast(tl.load(grad_out_ptr + rows * stride_grad_out + cols, mask=mask, other=0.0), FP64)
+    g = upcast(tl.load(gate_ptr + rows * stride_gate + cols, mask=mask, other=0.0), FP64)
+    u = upcast(tl.load(up_ptr + rows * stride_up + cols, mask=mask, other=0.0), FP64)
     act, dact = _activation(g, ACTIVATION)
     # Both loads above precede these stores, so the grads may overwrite gate/up element by element.
     d_gate = dout * u * dact

@@ -82,6 +82,12 @@ def _beta_mode(beta: float) -> int:
     return _BETA_MIXTURE
 
 
+def _check_ignore_index(ignore_index) -> int:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    return ignore_index
+
+
 def _check_target(target, lead_shape: torch.Size, like: str) -> None:
     if target is None:
         return
@@ -172,6 +178,18 @@ def _jsd_logp_kernel(
 
 
 @triton.jit
+def _tempered_log_probs(zs_rows, zt_rows, cols, row_ok, col_ok, lse_s, lse_t, inv_temperature):
+    """Student and teacher log-softmax(z / T) of one column block, given each row's log-sum-exp;
+    -inf past the last column, so those lanes add exactly 0 loss and gradient."""
+    mask = row_ok[:, None] & col_ok
+    zs = tl.load(zs_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    zt = tl.load(zt_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.where(col_ok, zs * inv_temperature - lse_s[:, None], float("-inf"))
+    t = tl.where(col_ok, zt * inv_temperature - lse_t[:, None], float("-inf"))
+    return s, t
+
+
+@triton.jit
 def _jsd_logits_kernel(
     zs_ptr, zs_stride, zt_ptr, zt_stride, target_ptr, loss_ptr, scale_ptr,
     n_rows, n_cols, inv_temperature, beta, ignore_index,
@@ -216,11 +234,7 @@ def _jsd_logits_kernel(
     for start in range(0, n_cols, BLOCK_COLS):
         cols = start + tl.arange(0, BLOCK_COLS)
         col_ok = (cols < n_cols)[None, :]
-        mask = row_ok[:, None] & col_ok
-        zs = tl.load(zs_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        zt = tl.load(zt_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        s = tl.where(col_ok, zs * inv_temperature - lse_s[:, None], float("-inf"))
-        t = tl.where(col_ok, zt * inv_temperature - lse_t[:, None], float("-inf"))
+        s, t = _tempered_log_probs(zs_rows, zt_rows, cols, row_ok, col_ok, lse_s, lse_t, inv_temperature)
         loss, grad = _jsd_pointwise(s, t, beta, BETA_MODE)
         loss_acc += tl.sum(loss, axis=1)
         grad_sum += tl.sum(grad, axis=1)
@@ -231,11 +245,7 @@ def _jsd_logits_kernel(
         for start in range(0, n_cols, BLOCK_COLS):
             cols = start + tl.arange(0, BLOCK_COLS)
             col_ok = (cols < n_cols)[None, :]
-            mask = row_ok[:, None] & col_ok
-            zs = tl.load(zs_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            zt = tl.load(zt_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            s = tl.where(col_ok, zs * inv_temperature - lse_s[:, None], float("-inf"))
-            t = tl.where(col_ok, zt * inv_temperature - lse_t[:, None], float("-inf"))
+            s, t = _tempered_log_probs(zs_rows, zt_rows, cols, row_ok, col_ok, lse_s, lse_t, inv_temperature)
             _, grad = _jsd_pointwise(s, t, beta, BETA_MODE)
             dz = (grad - tl.exp(s) * grad_sum[:, None]) * scale
             dz = tl.where(row_ok[:, None], dz, 0.0)
@@ -342,7 +352,7 @@ def jsd(
     t2 = _last_dim_contiguous(teacher_logp.detach().reshape(-1, n_cols))
     tgt = target.reshape(-1).contiguous() if target is not None else None
     compute_grad = torch.is_grad_enabled() and student_logp.requires_grad
-    loss = _JSDFunction.apply(s2, t2, tgt, beta, int(ignore_index), reduction, compute_grad)
+    loss = _JSDFunction.apply(s2, t2, tgt, beta, _check_ignore_index(ignore_index), reduction, compute_grad)
     return loss.view(lead_shape) if reduction == "none" else loss
 
 
@@ -485,6 +495,6 @@ def fused_linear_jsd(
     grad_enabled = torch.is_grad_enabled()
     return _FusedLinearJSDFunction.apply(
         h_s, student_weight.contiguous(), h_t, teacher_weight.detach().contiguous(), tgt,
-        beta, temperature, int(ignore_index), chunk_size,
+        beta, temperature, _check_ignore_index(ignore_index), chunk_size,
         grad_enabled and student_hidden.requires_grad, grad_enabled and student_weight.requires_grad,
     )

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseforge.ops.rowwise import as_rows, compute_dtype, plan_row_tiles, round_to
+from fuseforge.ops.rowwise import as_rows, compute_dtype, plan_row_tiles, round_to, row_tile
 from fuseforge.ops.utils import check_device_supported, check_positive, check_same_device, check_tensor, is_interpreter
 
 
@@ -38,10 +38,7 @@ def _layer_norm_fwd_kernel(
     if HAS_BIAS:
         b = tl.load(B + cols, mask=col_mask, other=0.0).to(COMPUTE)
     for t in range(tiles_per_program):
-        rows = (pid * tiles_per_program + t) * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
-        row_mask = rows < n_rows
-        rows64 = rows.to(tl.int64)
-        mask = row_mask[:, None] & col_mask[None, :]
+        rows, row_mask, rows64, mask = row_tile(pid, t, tiles_per_program, n_rows, col_mask, ROW_BLOCK)
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
         mean = tl.sum(x, axis=1) / n_cols
         centered = tl.where(mask, x - mean[:, None], 0.0)
@@ -75,10 +72,7 @@ def _layer_norm_bwd_kernel(
     dw_acc = tl.zeros([BLOCK_N], dtype=COMPUTE)
     db_acc = tl.zeros([BLOCK_N], dtype=COMPUTE)
     for t in tl.range(0, tiles_per_program, num_stages=NUM_STAGES):
-        rows = (pid * tiles_per_program + t) * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
-        row_mask = rows < n_rows
-        rows64 = rows.to(tl.int64)
-        mask = row_mask[:, None] & col_mask[None, :]
+        rows, row_mask, rows64, mask = row_tile(pid, t, tiles_per_program, n_rows, col_mask, ROW_BLOCK)
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
         dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
         mean = tl.load(MEAN + rows, mask=row_mask, other=0.0).to(COMPUTE)

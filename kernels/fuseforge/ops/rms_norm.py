@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseforge.ops.rowwise import as_rows, compute_dtype, plan_row_tiles, round_to
+from fuseforge.ops.rowwise import as_rows, compute_dtype, plan_row_tiles, round_to, row_tile
 from fuseforge.ops.utils import (
     check_device_supported,
     check_positive,
@@ -60,10 +60,7 @@ def _rms_norm_fwd_kernel(
     col_mask = cols < n_cols
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(COMPUTE) + offset
     for t in range(tiles_per_program):
-        rows = (pid * tiles_per_program + t) * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
-        row_mask = rows < n_rows
-        rows64 = rows.to(tl.int64)
-        mask = row_mask[:, None] & col_mask[None, :]
+        rows, row_mask, rows64, mask = row_tile(pid, t, tiles_per_program, n_rows, col_mask, ROW_BLOCK)
         out_offsets = rows64[:, None] * n_cols + cols[None, :]
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
         if HAS_RESIDUAL:
@@ -97,10 +94,7 @@ def _rms_norm_bwd_kernel(
     w = tl.load(W + cols, mask=col_mask, other=0.0).to(COMPUTE) + offset
     dw_acc = tl.zeros([BLOCK_N], dtype=COMPUTE)
     for t in tl.range(0, tiles_per_program, num_stages=NUM_STAGES):
-        rows = (pid * tiles_per_program + t) * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
-        row_mask = rows < n_rows
-        rows64 = rows.to(tl.int64)
-        mask = row_mask[:, None] & col_mask[None, :]
+        rows, row_mask, rows64, mask = row_tile(pid, t, tiles_per_program, n_rows, col_mask, ROW_BLOCK)
         x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
         dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
         rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0).to(COMPUTE)

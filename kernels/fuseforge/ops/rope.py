@@ -28,6 +28,7 @@ from fuseforge.ops.utils import (
     check_same_dtype,
     check_tensor,
     is_interpreter,
+    upcast,
 )
 
 # Elements of one half-head tile ([tokens, heads, Dr/2]) a program keeps live.
@@ -36,14 +37,6 @@ _GPU_TILE = 2048
 _GPU_ELEMENTS_PER_THREAD = 16
 # The interpreter pays per program and per op, not per element: use big tiles.
 _INTERPRETER_TILE = 32768
-
-
-@triton.jit
-def _upcast(x, FP64: tl.constexpr):
-    if FP64:
-        return x.to(tl.float64)
-    else:
-        return x.to(tl.float32)
 
 
 @triton.jit
@@ -66,8 +59,8 @@ def _rotate_heads(
         head_mask = row_mask & (h < n_heads)
         mask = head_mask & d_mask
         x_head = x_pos + h * sx_h
-        x1 = _upcast(tl.load(x_head + d * sx_d, mask=mask, other=0.0), FP64)
-        x2 = _upcast(tl.load(x_head + (d + HALF) * sx_d, mask=mask, other=0.0), FP64)
+        x1 = upcast(tl.load(x_head + d * sx_d, mask=mask, other=0.0), FP64)
+        x2 = upcast(tl.load(x_head + (d + HALF) * sx_d, mask=mask, other=0.0), FP64)
         o1 = x1 * cos1 - x2 * sin1
         o2 = x2 * cos2 + x1 * sin2
         o_head = o_pos + h * so_h
@@ -104,10 +97,10 @@ def _rope_kernel(
     cs_mask = row_mask & (d < HALF)
     cos_pos = cos_ptr + b * sc_b + t * sc_t
     sin_pos = sin_ptr + b * ss_b + t * ss_t
-    cos1 = _upcast(tl.load(cos_pos + d * sc_d, mask=cs_mask, other=0.0), FP64)
-    cos2 = _upcast(tl.load(cos_pos + (d + HALF) * sc_d, mask=cs_mask, other=0.0), FP64)
-    sin1 = _upcast(tl.load(sin_pos + d * ss_d, mask=cs_mask, other=0.0), FP64)
-    sin2 = _upcast(tl.load(sin_pos + (d + HALF) * ss_d, mask=cs_mask, other=0.0), FP64)
+    cos1 = upcast(tl.load(cos_pos + d * sc_d, mask=cs_mask, other=0.0), FP64)
+    cos2 = upcast(tl.load(cos_pos + (d + HALF) * sc_d, mask=cs_mask, other=0.0), FP64)
+    sin1 = upcast(tl.load(sin_pos + d * ss_d, mask=cs_mask, other=0.0), FP64)
+    sin2 = upcast(tl.load(sin_pos + (d + HALF) * ss_d, mask=cs_mask, other=0.0), FP64)
     if BACKWARD:
         # Transpose of [[cos1, -sin1], [sin2, cos2]]: same kernel with the sines swapped and negated.
         sin1, sin2 = -sin2, -sin1

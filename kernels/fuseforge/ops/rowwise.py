@@ -85,6 +85,14 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def row_tile(pid, t, tiles_per_program, n_rows, col_mask, ROW_BLOCK: tl.constexpr):
+    """Tile `t` of program `pid`: (rows, row mask, rows as int64 for addressing, [ROW_BLOCK, BLOCK_N] mask)."""
+    rows = (pid * tiles_per_program + t) * ROW_BLOCK + tl.arange(0, ROW_BLOCK)
+    row_mask = rows < n_rows
+    return rows, row_mask, rows.to(tl.int64), row_mask[:, None] & col_mask[None, :]
+
+
+@triton.jit
 def round_to(v, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """`v` rounded to DTYPE with round-to-nearest-even, as torch and the GPU round.
 

@@ -12,6 +12,7 @@ from typing import Iterable
 
 import torch
 import triton
+import triton.language as tl
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 TRAINING_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -38,6 +39,16 @@ def row_launch_config(n_cols: int, max_block: int = MAX_FUSED_SIZE) -> tuple[int
     else:
         warps = 4
     return block, warps
+
+
+@triton.jit
+def upcast(x, FP64: tl.constexpr):
+    """x in the kernel's math dtype: fp64 for exact gradchecks, fp32 otherwise (bf16 must be
+    upcast right after the load, see NOTES)."""
+    if FP64:
+        return x.to(tl.float64)
+    else:
+        return x.to(tl.float32)
 
 
 def num_programs_hint(device: torch.device) -> int:
