@@ -3,6 +3,7 @@
     python benchmarks/bench_model.py                              # the 1B-class default shape
     python benchmarks/bench_model.py --preset llama3-8b --batch 8 --seq 4096 --grad-ckpt
     python benchmarks/bench_model.py --variants eager fuseforge --json out.json
+    python benchmarks/bench_model.py --variants liger fuseforge --profile   # + top GPU kernels per variant
 
 Each variant runs in its own subprocess (same script, `--worker`) so that its
 peak memory is measured from a clean allocator; the parent prints one table.
@@ -86,6 +87,8 @@ def worker(args) -> dict:
             times.append(time.perf_counter() - t0)
         losses.append(float(out.loss))
         del out
+    if args.profile:
+        print_kernel_profile(model, opt, batches[0], args.variant)
     times.sort()
     median = times[len(times) // 2]
     return {
@@ -98,11 +101,29 @@ def worker(args) -> dict:
     }
 
 
+def print_kernel_profile(model, opt, ids, variant: str, steps: int = 2, rows: int = 25) -> None:
+    """GPU time per kernel over `steps` training steps: where a variant's step time goes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+    print(f"PROFILE {variant} ({steps} steps)\n{table}", flush=True)
+
+
 def run_variant(args, variant: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", variant, "--preset", args.preset,
            "--family", args.family, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
-           "--warmup", str(args.warmup)] + (["--grad-ckpt"] if args.grad_ckpt else [])
+           "--warmup", str(args.warmup)] + (["--grad-ckpt"] if args.grad_ckpt else []) + (["--profile"] if args.profile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if args.profile:
+        print(proc.stdout[proc.stdout.find("PROFILE"):].split("RESULT ")[0], flush=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
@@ -122,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--grad-ckpt", action="store_true")
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--profile", action="store_true", help="print each variant's top GPU kernels (torch.profiler)")
     p.add_argument("--json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
