@@ -33,6 +33,17 @@ def _seed(request):
     yield seed
 
 
+@pytest.fixture(autouse=True)
+def _isolated_environment():
+    """Each test starts from the same os.environ: a variable left by one test (LOCAL_RANK, say)
+    must not change how a later test in the same worker process behaves."""
+    saved = dict(os.environ)
+    yield
+    if os.environ != saved:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def pytest_report_header(config):
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
     return f"fuseforge tests on {DEVICE} (Triton interpreter: {interp})"

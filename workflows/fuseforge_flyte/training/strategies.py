@@ -286,7 +286,10 @@ class DeepSpeedStrategy(Strategy):
     def setup(self, model: torch.nn.Module) -> None:
         deepspeed = import_deepspeed()
         spec = self.spec
-        os.environ.setdefault("LOCAL_RANK", str(self.ctx.local_rank))  # DeepSpeed asserts it is set
+        # DeepSpeed asserts LOCAL_RANK is set; set it only for this run (close() removes what was added),
+        # so that a later in-process user (accelerate, another run) does not take the process for a worker.
+        self._added_local_rank = "LOCAL_RANK" not in os.environ
+        os.environ.setdefault("LOCAL_RANK", str(self.ctx.local_rank))
         if spec.zero_stage == 3 and self.fused_loss:
             deepspeed.zero.register_external_parameter(model, model.get_output_embeddings().weight)
         use_cpu_adam = spec.offload and self.ctx.device.type == "cuda"
@@ -345,6 +348,8 @@ class DeepSpeedStrategy(Strategy):
         if self.ctx.owns_group:
             deepspeed.comm.destroy_process_group()
             self.ctx.owns_group = False
+        if getattr(self, "_added_local_rank", False):
+            os.environ.pop("LOCAL_RANK", None)
 
 
 _BY_NAME = {cls.name: cls for cls in (DDPStrategy, FSDPStrategy, DeepSpeedStrategy)}
