@@ -122,8 +122,8 @@ def run_variant(args, variant: str) -> dict:
            "--family", args.family, "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
            "--warmup", str(args.warmup)] + (["--grad-ckpt"] if args.grad_ckpt else []) + (["--profile"] if args.profile else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    if args.profile:
-        print(proc.stdout[proc.stdout.find("PROFILE"):].split("RESULT ")[0], flush=True)
+    if args.profile and "PROFILE" in proc.stdout:
+        print(proc.stdout[proc.stdout.index("PROFILE"):].split("RESULT ")[0], flush=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])

@@ -6,7 +6,6 @@ message (naming the argument) before anything reaches a Triton kernel.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Iterable
 
@@ -131,15 +130,3 @@ def check_device_supported(name: str, t: torch.Tensor) -> None:
         return
     hint = " (set TRITON_INTERPRET=1 to run on the CPU through Triton's interpreter)" if t.device.type == "cpu" else ""
     raise ValueError(f"{name} is on {t.device}; fuseforge kernels run on CUDA devices{hint}")
-
-
-def ensure_contiguous(fn):
-    """Make every tensor argument contiguous before an autograd.Function's forward/backward."""
-
-    @functools.wraps(fn)
-    def wrapper(ctx, *args, **kwargs):
-        args = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]
-        kwargs = {k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
-        return fn(ctx, *args, **kwargs)
-
-    return wrapper

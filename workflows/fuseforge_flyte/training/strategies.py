@@ -348,7 +348,7 @@ class DeepSpeedStrategy(Strategy):
         if self.ctx.owns_group:
             deepspeed.comm.destroy_process_group()
             self.ctx.owns_group = False
-        if getattr(self, "_added_local_rank", False):
+        if self._added_local_rank:
             os.environ.pop("LOCAL_RANK", None)
 
 
