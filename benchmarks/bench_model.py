@@ -107,14 +107,22 @@ def print_kernel_profile(model, opt, ids, variant: str, steps: int = 2, rows: in
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
         for _ in range(steps):
             out = model(input_ids=ids, labels=ids)
             out.loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
-    print(f"PROFILE {variant} ({steps} steps)\n{table}", flush=True)
+        wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    averages = prof.key_averages()
+    table = averages.table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+    # Kernel time summed over the step against its wall time: the gap is the GPU waiting for the host.
+    busy_ms = sum(getattr(e, "self_device_time_total", 0) for e in averages) / 1e3 / steps
+    launches = sum(e.count for e in averages if getattr(e, "self_device_time_total", 0) > 0) / steps
+    print(f"PROFILE {variant} ({steps} steps): GPU busy {busy_ms:.1f} ms of {wall_ms:.1f} ms wall per step, "
+          f"{launches:.0f} kernels per step\n{table}", flush=True)
 
 
 def run_variant(args, variant: str) -> dict:

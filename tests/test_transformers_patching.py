@@ -308,7 +308,7 @@ def test_custom_loss_function_is_respected():
 
     del model._loss_function  # back to the stock causal-LM loss
     ff.apply_kernels(model)  # an lm_head replaced after patching: logits and the model's loss again
-    model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False).to(model.device)
     with pytest.warns(RuntimeWarning, match="lm_head that was replaced after apply_kernels"):
         assert model(**batch).logits is not None
     ff.unpatch(model)
