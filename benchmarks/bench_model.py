@@ -4,6 +4,7 @@
     python benchmarks/bench_model.py --preset llama3-8b --batch 8 --seq 4096 --grad-ckpt
     python benchmarks/bench_model.py --variants eager fuseforge --json out.json
     python benchmarks/bench_model.py --variants liger fuseforge --profile   # + top GPU kernels per variant
+    python benchmarks/bench_model.py --variants fuseforge fuseforge@256      # fused-loss chunks of 256 MiB
 
 Each variant runs in its own subprocess (same script, `--worker`) so that its
 peak memory is measured from a clean allocator; the parent prints one table.
@@ -43,9 +44,22 @@ def build_model(preset: str, family: str):
     return model
 
 
+def parse_variant(variant: str) -> tuple[str, int | None]:
+    """"fuseforge@256" -> ("fuseforge", 256): fused linear cross-entropy chunks of 256 MiB of logits."""
+    name, _, chunk_mib = variant.partition("@")
+    if name not in VARIANTS or (chunk_mib and (name != "fuseforge" or not chunk_mib.isdigit())):
+        raise argparse.ArgumentTypeError(f"unknown variant {variant!r}: one of {VARIANTS}, or fuseforge@<MiB>")
+    return name, int(chunk_mib) if chunk_mib else None
+
+
 def apply_variant(model, variant: str):
     import torch
 
+    variant, chunk_mib = parse_variant(variant)
+    if chunk_mib is not None:
+        from fuseforge.ops import fused_linear_cross_entropy as flce
+
+        flce.DEFAULT_CHUNK_BYTES = chunk_mib * 2**20
     if variant == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
@@ -149,13 +163,18 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--grad-ckpt", action="store_true")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"of {VARIANTS}; fuseforge@<MiB> sets the loss chunk")
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--profile", action="store_true", help="print each variant's top GPU kernels (torch.profiler)")
     p.add_argument("--json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for v in args.variants:
+        try:
+            parse_variant(v)
+        except argparse.ArgumentTypeError as exc:
+            p.error(str(exc))
 
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)

@@ -128,17 +128,23 @@ def peak_extra_mib(fn: Callable[[], object]) -> float:
 
 
 def fwd_bwd(forward: Callable[[], torch.Tensor | tuple], leaves: list[torch.Tensor], grads: list | None = None):
-    """Return a closure running forward + backward once, clearing leaf grads first."""
+    """Return a closure running forward + backward once, clearing leaf grads first.
+
+    Without `grads`, the upstream gradients are drawn once on the first call (random, ones for a
+    scalar loss) and reused: filling a fresh [tokens, hidden] tensor on every call would add a
+    write of the output's size to every implementation's time.
+    """
+    upstream = grads
 
     def run():
+        nonlocal upstream
         for t in leaves:
             t.grad = None
         out = forward()
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        if grads is None:
-            torch.autograd.backward([o for o in outs], [torch.ones_like(o) for o in outs])
-        else:
-            torch.autograd.backward(list(outs), grads)
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        if upstream is None:
+            upstream = [torch.ones_like(o) if o.numel() == 1 else torch.randn_like(o) for o in outs]
+        torch.autograd.backward(outs, upstream)
 
     return run
 

@@ -2,9 +2,10 @@
 
     python benchmarks/tune.py [--op rms_norm ...] [--profile]
 
-For each op at its headline shape (benchmarks/run.py), every variant of the module
-constants below is patched in, compiled, checked (forward output and every leaf
-gradient against eager) and timed forward+backward (median do_bench, like run.py).
+For each op at its headline shape (benchmarks/run.py; EXTRA_CASES for shapes run.py
+has no entry for), every variant of the module constants below is patched in, compiled,
+checked (every leaf gradient against eager) and timed forward+backward (median
+do_bench, like run.py). Variants a grid's `same_as` maps to one key are timed once.
 `--profile` also prints each kernel's device time per step and the host time per
 step (queued behind a long sleep kernel, so it is pure launch/Python cost) and a cProfile
 of it. Where the host time exceeds the kernels' (small ops on a VM with ~50 us launches),
@@ -25,21 +26,48 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run  # noqa: E402
 from common import fwd_bwd, time_ms  # noqa: E402
 
-from fuseforge.ops import glu, rope, rowwise  # noqa: E402
+from fuseforge.ops import cross_entropy, glu, rope, rowwise  # noqa: E402
 
 ROWWISE = {
     "GPU_ELEMENTS_PER_THREAD": [8, 16, 32],
     "GPU_BWD_PROGRAMS_PER_SM": [2, 4, 8],
     "GPU_BWD_STAGES": [1, 2],
 }
-GRIDS = {
-    "rms_norm": (rowwise, ROWWISE),
-    "fused_add_rms_norm": (rowwise, ROWWISE),
-    "layer_norm": (rowwise, ROWWISE),
-    "swiglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}),
-    "geglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}),
-    "rope": (rope, {"_GPU_TILE": [1024, 2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [4, 8, 16, 32]}),
+CROSS_ENTROPY = {
+    "_GPU_FUSED_BLOCK_V": [4096, 8192, 16384, 32768],
+    "_GPU_FUSED_NUM_WARPS": [8, 16, 32],
+    "GRAD_IN_FORWARD": [False, True],  # False: the split stats + gradient kernels, for comparison
 }
+
+
+def _ce_same_as(setting: dict) -> dict:
+    """The split path ignores the one-launch kernel's constants: all its variants are one."""
+    return setting if setting["GRAD_IN_FORWARD"] else {"GRAD_IN_FORWARD": False}
+
+
+# op -> (module, {constant: values}, optional same_as(setting) -> key of equivalent settings)
+GRIDS = {
+    "rms_norm": (rowwise, ROWWISE, None),
+    "fused_add_rms_norm": (rowwise, ROWWISE, None),
+    "layer_norm": (rowwise, ROWWISE, None),
+    "swiglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}, None),
+    "geglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}, None),
+    "rope": (rope, {"_GPU_TILE": [1024, 2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [4, 8, 16, 32]}, None),
+    "cross_entropy": (cross_entropy, CROSS_ENTROPY, _ce_same_as),
+    # cross_entropy forward+backward on one fused_linear_cross_entropy chunk (256 tokens, Llama-3 vocabulary)
+    "ce_chunk": (cross_entropy, CROSS_ENTROPY, _ce_same_as),
+}
+
+# Ops tuned at a shape run.OPS has no entry for: op -> (run.OPS entry whose builder to use, shape).
+EXTRA_CASES = {"ce_chunk": ("cross_entropy", (256, 128256))}
+
+
+def builder_and_shape(op: str):
+    if op in EXTRA_CASES:
+        source, shape = EXTRA_CASES[op]
+        return run.OPS[source][0], shape
+    builder, shape, _ = run.OPS[op]
+    return builder, shape
 
 
 def grads_of(case, impl):
@@ -103,11 +131,11 @@ def main() -> int:
     torch._dynamo.config.cache_size_limit = 256
     summary = []
     for op in args.op or list(GRIDS):
-        builder, shape, _ = run.OPS[op]
+        builder, shape = builder_and_shape(op)
         torch.manual_seed(0)
         case = builder(*shape, torch.bfloat16, "cuda")
         ref = grads_of(case, "eager")
-        module, grid = GRIDS[op]
+        module, grid, same_as = GRIDS[op]
         names = list(grid)
         defaults = {n: getattr(module, n) for n in names}
         fn = fwd_bwd(case.impls["fuseforge"], case.leaves)
@@ -119,8 +147,13 @@ def main() -> int:
                 print(f"  {us:9.1f} {calls:3d}  {name}")
             python_profile(fn)
         results = []
+        timed = set()
         for values in itertools.product(*grid.values()):
             setting = dict(zip(names, values))
+            key = tuple(sorted((same_as or dict)(setting).items()))
+            if key in timed:
+                continue
+            timed.add(key)
             for n, v in setting.items():
                 setattr(module, n, v)
             try:

@@ -60,6 +60,11 @@ def main() -> int:
             compile_for_sm90(ce._ce_grad_kernel, {**data("x_ptr", "g_ptr"), "target_ptr": i64, "lse_ptr": f32,
                                                   "scale_ptr": f32}, dt,
                              dict(HAS_SOFTCAP=softcap, SCALE_PER_ROW=softcap, BLOCK_T=1, BLOCK_V=4096))
+            compile_for_sm90(ce._ce_fused_kernel, {**data("x_ptr", "g_ptr"), "target_ptr": i64, "loss_ptr": f32,
+                                                   "lse_ptr": f32, "scale_ptr": f32}, dt,
+                             dict(HAS_SOFTCAP=softcap, HAS_SMOOTHING=softcap, HAS_Z_LOSS=softcap,
+                                  SCALE_PER_ROW=softcap, BLOCK_T=1, BLOCK_V=ce._GPU_FUSED_BLOCK_V),
+                             num_warps=ce._GPU_FUSED_NUM_WARPS)
             compile_for_sm90(vm._stats_kernel, {**data("x_ptr"), "target_ptr": i64, "stats_ptr": f32}, dt,
                              dict(HAS_SOFTCAP=softcap, BLOCK_T=64, BLOCK_V=64))
             compile_for_sm90(vm._grad_kernel, {**data("x_ptr"), "target_ptr": i64, "lse_ptr": f32, "scale_ptr": f32},

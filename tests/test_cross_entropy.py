@@ -1,11 +1,20 @@
 """fuseforge cross_entropy on logits vs a float64 torch reference (loss, grads, options, errors)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
+import fuseforge.ops.cross_entropy as ce_module
 from ce_reference import random_targets, reference_cross_entropy, reference_lse
 from fuseforge.modules.losses import CrossEntropyLoss
-from fuseforge.ops.cross_entropy import LossOptions, ce_forward_stats, ce_write_grad, cross_entropy
+from fuseforge.ops.cross_entropy import (
+    LossOptions,
+    ce_forward_stats,
+    ce_fused_loss_and_grad,
+    ce_write_grad,
+    cross_entropy,
+)
 from tolerances import assert_close
 
 REDUCTIONS = ["mean", "sum", "none"]
@@ -19,13 +28,36 @@ def _tensors_on_test_device(device):
     torch.set_default_device(None)
 
 
-def _run(logits, target, reduction="mean", upstream=None, **options):
+@pytest.fixture(params=[True, False], ids=["grad_in_forward", "grad_in_backward"])
+def path(request, monkeypatch):
+    """Run a test on both paths of cross_entropy (GRAD_IN_FORWARD on/off), recording one-launch kernel calls."""
+    launches = []
+    original = ce_module.ce_fused_loss_and_grad
+
+    def spy(logits, *args, **kwargs):
+        launches.append(tuple(logits.shape))
+        return original(logits, *args, **kwargs)
+
+    monkeypatch.setattr(ce_module, "GRAD_IN_FORWARD", request.param)
+    monkeypatch.setattr(ce_module, "ce_fused_loss_and_grad", spy)
+    return SimpleNamespace(grad_in_forward=request.param, launches=launches)
+
+
+def _check_path(path, reduction):
+    """The one-launch kernel ran exactly when it should: scalar loss, gradient wanted, switch on."""
+    if path is not None:
+        expected = path.grad_in_forward and reduction != "none"
+        assert bool(path.launches) == expected, f"one-launch kernel calls: {path.launches}"
+
+
+def _run(logits, target, reduction="mean", upstream=None, path=None, **options):
     """Loss and logits-grad of fuseforge (on `logits`) and of the float64 reference."""
     x = logits.detach().clone().requires_grad_()
     loss = cross_entropy(x, target, reduction=reduction, **options)
     if upstream is None:
         upstream = torch.randn(loss.shape, dtype=torch.float64) if reduction == "none" else torch.tensor(0.75)
     loss.backward(upstream.to(loss.dtype))
+    _check_path(path, reduction)
     ref_x = logits.detach().double().requires_grad_()
     ref = reference_cross_entropy(ref_x, target.long(), reduction=reduction, **options)
     ref.backward(upstream.double())
@@ -34,10 +66,10 @@ def _run(logits, target, reduction="mean", upstream=None, **options):
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("n, v", [(1, 1), (7, 33), (37, 4097)])
-def test_matches_torch(n, v, reduction, device):
+def test_matches_torch(n, v, reduction, device, path):
     logits = torch.randn(n, v, device=device) * 3
     target = random_targets(n, v).to(device)
-    loss, grad, ref, ref_grad = _run(logits, target, reduction, label_smoothing=0.1)
+    loss, grad, ref, ref_grad = _run(logits, target, reduction, path=path, label_smoothing=0.1)
     assert loss.dtype == logits.dtype
     assert_close(loss, ref, torch.float32)
     assert_close(grad, ref_grad, torch.float32)
@@ -53,31 +85,31 @@ def test_matches_torch(n, v, reduction, device):
         dict(label_smoothing=0.1, z_loss_scale=1e-3, softcap=30.0, ignore_index=5),
     ],
 )
-def test_options(options, reduction):
+def test_options(options, reduction, path):
     n, v = 37, 1000
     target = random_targets(n, v, ignore_index=options.get("ignore_index", -100))
-    loss, grad, ref, ref_grad = _run(torch.randn(n, v) * 4, target, reduction, **options)
+    loss, grad, ref, ref_grad = _run(torch.randn(n, v) * 4, target, reduction, path=path, **options)
     assert_close(loss, ref, torch.float32)
     assert_close(grad, ref_grad, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_low_precision(dtype, reduction):
+def test_low_precision(dtype, reduction, path):
     n, v = 37, 1000
     logits = (torch.randn(n, v) * 3).to(dtype)  # the reference sees the same rounded values
     options = dict(label_smoothing=0.1, z_loss_scale=1e-3, softcap=20.0)
-    loss, grad, ref, ref_grad = _run(logits, random_targets(n, v), reduction, **options)
+    loss, grad, ref, ref_grad = _run(logits, random_targets(n, v), reduction, path=path, **options)
     assert loss.dtype == dtype and grad.dtype == dtype
     assert_close(loss, ref, dtype)
     assert_close(grad, ref_grad, dtype)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_all_ignored_gives_zero_not_nan(reduction):
+def test_all_ignored_gives_zero_not_nan(reduction, path):
     logits = torch.randn(7, 33)
     target = torch.full((7,), -100)
-    loss, grad, _, _ = _run(logits, target, reduction, label_smoothing=0.2, z_loss_scale=1e-2)
+    loss, grad, _, _ = _run(logits, target, reduction, path=path, label_smoothing=0.2, z_loss_scale=1e-2)
     assert torch.count_nonzero(loss) == 0 and not torch.isnan(loss).any()
     assert torch.count_nonzero(grad) == 0
 
@@ -92,22 +124,73 @@ def test_large_logits_are_stable(scale):
     assert_close(grad, ref_grad, torch.float32)
 
 
-def test_vocab_splits_and_transposed_layout_agree():
-    """The split-vocabulary merge and strided (vocab-major) addressing give the one-split result."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU tile shapes (the interpreter uses its own)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_rows_of_many_tiles(dtype, path):
+    n, v = 19, 50001  # rows of several _GPU_FUSED_BLOCK_V tiles, the last one ragged
+    logits = (torch.randn(n, v) * 3).to(dtype)
+    options = dict(label_smoothing=0.1, z_loss_scale=1e-3, softcap=30.0)
+    loss, grad, ref, ref_grad = _run(logits, random_targets(n, v), "sum", path=path, **options)
+    assert_close(loss, ref, dtype, scale=4.0)  # a sum of 19 losses
+    assert_close(grad, ref_grad, dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_capture_of_forward_and_backward(path):
+    """No host sync in forward or backward (grad_output is applied on the device while capturing)."""
+    n, v = 9, 3000
+    logits = (torch.randn(n, v) * 3).requires_grad_()
+    target = random_targets(n, v)
+
+    def step():
+        logits.grad = None
+        loss = cross_entropy(logits, target, label_smoothing=0.1)
+        (loss * 2.5).backward()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compile the kernels) outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    logits.grad = None
+    with torch.cuda.graph(graph):
+        loss = step()
+    logits.data.mul_(0.5)  # new values in the captured input buffer
+    graph.replay()
+    torch.cuda.synchronize()
+    _check_path(path, "mean")
+    ref_x = logits.detach().double().requires_grad_()
+    ref = reference_cross_entropy(ref_x, target, label_smoothing=0.1)
+    (ref * 2.5).backward()
+    assert_close(loss, ref, torch.float32)
+    assert_close(logits.grad, ref_x.grad, torch.float32)
+
+
+@pytest.mark.parametrize("per_token_scale", [True, False])
+def test_vocab_splits_layouts_and_one_launch_kernel_agree(per_token_scale):
+    """The split-vocabulary merge, strided (vocab-major) addressing and the one-launch kernel
+    (also writing in place, and from a padded-row view) all give the reference result."""
     n, v = 21, 3000
     opts = LossOptions(label_smoothing=0.1, z_loss_scale=1e-2, softcap=10.0)
     logits = torch.randn(n, v) * 3
     transposed = logits.t().contiguous().t()
+    padded = torch.cat([logits, torch.randn(n, 5)], dim=1)[:, :v]
     target = random_targets(n, v)
-    scale = torch.randn(n)
+    scale = torch.randn(n) if per_token_scale else torch.randn(1)
     results = []
     for x, splits in [(logits, 1), (logits, 3), (transposed, 2)]:
         loss, lse = ce_forward_stats(x, target, opts, n_splits=splits)
         grad = ce_write_grad(x, target, lse, scale, opts, out=torch.empty(n, v), n_splits=splits)
         results.append((loss, lse, grad))
+    for x, out in [(logits, torch.empty(n, v)), (transposed, torch.empty(n, v)), (padded.clone(), None)]:
+        out = x if out is None else out  # in place: every tile read before it is overwritten
+        loss, lse = ce_fused_loss_and_grad(x, target, opts, scale, out=out)
+        results.append((loss, lse, out))
     ref_x = logits.double().requires_grad_()
     ref = reference_cross_entropy(ref_x, target, reduction="none", label_smoothing=0.1, z_loss_scale=1e-2, softcap=10.0)
-    ref.backward(scale.double())
+    ref.backward(scale.double().expand(n))
     for loss, lse, grad in results:
         assert_close(loss, ref, torch.float32)
         assert_close(lse, reference_lse(logits.double(), softcap=10.0), torch.float32)
@@ -126,34 +209,99 @@ def test_leading_dims_and_return_lse():
     assert not lse.requires_grad
 
 
-def test_default_never_touches_logits():
+def test_default_never_touches_logits(path):
     x = torch.randn(7, 33, requires_grad=True)
     logits = x * 2
     before = logits.detach().clone()
     cross_entropy(logits, random_targets(7, 33)).backward()
+    _check_path(path, "mean")
     assert torch.equal(logits.detach(), before)
 
 
-def test_inplace_grad_reuses_buffer_and_flags_stale_users():
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_inplace_grad_reuses_buffer_and_flags_stale_users(reduction, path):
     x = torch.randn(7, 33, requires_grad=True)
     logits = x * 2
     target = random_targets(7, 33)
     squares = logits**2  # saves `logits` for its own backward
-    expected = torch.autograd.grad(reference_cross_entropy(logits.double(), target), logits)[0]
-    loss = cross_entropy(logits, target, inplace_grad=True)
-    loss.backward(retain_graph=True)
-    assert_close(logits.detach(), expected, torch.float32)  # the buffer now holds dloss/dlogits
+    ref = reference_cross_entropy(logits.double(), target, reduction=reduction, label_smoothing=0.1)
+    upstream = torch.rand(ref.shape, dtype=torch.float64) + 0.5
+    expected = torch.autograd.grad(ref, logits, upstream)[0]
+    loss = cross_entropy(logits, target, reduction=reduction, label_smoothing=0.1, inplace_grad=True)
+    (loss * upstream.float()).sum().backward(retain_graph=True)  # grad_output != 1
+    _check_path(path, reduction)
+    assert_close(logits.detach(), expected, torch.float32)  # the buffer now holds the gradient
     assert_close(x.grad, 2 * expected, torch.float32)
     with pytest.raises(RuntimeError, match="inplace"):
         squares.sum().backward()
 
 
-def test_inplace_grad_on_leaf_falls_back_to_fresh_buffer():
+def test_inplace_grad_on_leaf_falls_back_to_fresh_buffer(path):
     logits = torch.randn(7, 33, requires_grad=True)
+    target = random_targets(7, 33)
     before = logits.detach().clone()
-    cross_entropy(logits, random_targets(7, 33), inplace_grad=True).backward()
+    (cross_entropy(logits, target, inplace_grad=True) * 2.5).backward()
+    _check_path(path, "mean")
     assert torch.equal(logits.detach(), before)
     assert logits.grad.data_ptr() != logits.data_ptr()
+    ref_x = before.double().requires_grad_()
+    (reference_cross_entropy(ref_x, target) * 2.5).backward()
+    assert_close(logits.grad, ref_x.grad, torch.float32)
+
+
+@pytest.mark.parametrize("inplace_grad", [False, True])
+def test_strided_token_major_logits(inplace_grad, path):
+    """Rows padded in memory (a slice of a wider buffer), of a leaf or of a non-leaf written in place."""
+    n, v = 13, 1500
+    leaf = (torch.randn(n, v + 7) * 3).requires_grad_()
+    wide = leaf * 1.0 if inplace_grad else leaf
+    logits = wide[:, 3 : v + 3]
+    assert logits.stride() == (v + 7, 1)
+    target = random_targets(n, v)
+    ref_x = logits.detach().double().requires_grad_()
+    ref = reference_cross_entropy(ref_x, target, z_loss_scale=1e-3)
+    (ref * 2.5).backward()
+    loss = cross_entropy(logits, target, z_loss_scale=1e-3, inplace_grad=inplace_grad)
+    (loss * 2.5).backward()
+    _check_path(path, "mean")
+    assert_close(loss, ref, torch.float32)
+    assert_close(leaf.grad[:, 3 : v + 3], ref_x.grad, torch.float32)
+    assert torch.count_nonzero(leaf.grad[:, :3]) == 0 and torch.count_nonzero(leaf.grad[:, v + 3 :]) == 0
+    if inplace_grad:
+        assert_close(wide[:, 3 : v + 3].detach(), ref_x.grad, torch.float32)  # the buffer holds the gradient
+
+
+@pytest.mark.parametrize("path", [True], indirect=True, ids=["grad_in_forward"])
+@pytest.mark.parametrize(
+    "case, reduction, fused",
+    [
+        ("grad", "mean", True),
+        ("grad", "sum", True),
+        ("grad", "none", False),  # per-token grad_output only known in backward
+        ("no_grad_mode", "mean", False),
+        ("no_requires_grad", "mean", False),
+        ("vocab_major", "mean", False),  # transposed buffer: the split kernels tile it well
+    ],
+)
+def test_path_selection(case, reduction, fused, path):
+    """Which kernels run (GRAD_IN_FORWARD on), and every path gives the reference loss and gradient."""
+    n, v = 9, 300
+    values = torch.randn(n, v) * 3
+    target = random_targets(n, v)
+    leaf = values.t().contiguous() if case == "vocab_major" else values.clone()
+    leaf.requires_grad_(case != "no_requires_grad")
+    logits = leaf.t() if case == "vocab_major" else leaf
+    with torch.set_grad_enabled(case != "no_grad_mode"):
+        loss = cross_entropy(logits, target, reduction=reduction, softcap=8.0)
+    assert bool(path.launches) == fused
+    ref_x = values.double().requires_grad_()
+    ref = reference_cross_entropy(ref_x, target, reduction=reduction, softcap=8.0)
+    assert_close(loss, ref, torch.float32)
+    if loss.requires_grad:
+        loss.backward(torch.ones_like(loss))
+        ref.backward(torch.ones_like(ref))
+        grad = leaf.grad.t() if case == "vocab_major" else leaf.grad
+        assert_close(grad, ref_x.grad, torch.float32)
 
 
 def test_no_grad_forward():
@@ -211,9 +359,9 @@ def test_bad_inputs(logits, target, error, match, device):
         cross_entropy(logits, target)
 
 
-def test_ignore_index_inside_vocab_is_not_an_error():
+def test_ignore_index_inside_vocab_is_not_an_error(path):
     target = torch.tensor([0, 2, 2, 4], dtype=torch.int32)  # any integer dtype is accepted
-    loss, grad, ref, ref_grad = _run(torch.randn(4, 5), target, "mean", ignore_index=2)
+    loss, grad, ref, ref_grad = _run(torch.randn(4, 5), target, "mean", path=path, ignore_index=2)
     assert_close(loss, ref, torch.float32)
     assert torch.count_nonzero(grad[1:3]) == 0
 
@@ -231,13 +379,14 @@ def test_strided_and_one_dimensional_logits():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_unit_upstream_and_second_backward(reduction, device):
+def test_unit_upstream_and_second_backward(reduction, device, path):
     """The gradient for grad_output = 1, and again (scaled) from a retained graph."""
     logits = torch.randn(9, 300, device=device) * 3
     target = random_targets(9, 300).to(device)
     x = logits.clone().requires_grad_()
     loss = cross_entropy(x, target, reduction=reduction)
     loss.backward(retain_graph=True)
+    _check_path(path, reduction)
     first = x.grad.clone()
     x.grad = None
     loss.backward(torch.tensor(2.0, device=device))

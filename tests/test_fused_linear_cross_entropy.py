@@ -1,5 +1,7 @@
 """fuseforge fused_linear_cross_entropy vs linear + cross-entropy in float64 (loss, all grads, options)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,6 +65,36 @@ def _compare(hidden, weight, bias, target, reduction="mean", upstream=None, dtyp
     return loss, _grads(h, w, b)
 
 
+@pytest.fixture(params=[True, False], ids=["one_launch_chunk_ce", "split_chunk_ce"])
+def chunk_ce(request, monkeypatch):
+    """Run a test with token-major chunks on the one-launch CE kernel (FUSED_CHUNK_CE) and on the
+    split stats + gradient kernels; records which of them computed chunk gradients."""
+    calls = SimpleNamespace(fused=request.param, one_launch=[], split_grad=[])
+
+    def spy(name, record):
+        original = getattr(flce_module, name)
+
+        def call(logits, *args, **kwargs):
+            record.append(tuple(logits.shape))
+            return original(logits, *args, **kwargs)
+
+        monkeypatch.setattr(flce_module, name, call)
+
+    spy("ce_fused_loss_and_grad", calls.one_launch)
+    spy("ce_write_grad", calls.split_grad)
+    monkeypatch.setattr(flce_module, "FUSED_CHUNK_CE", request.param)
+    return calls
+
+
+def _check_chunk_ce(chunk_ce, chunks_expected=True):
+    """Chunk gradients came only from the kernels the switch selects (and some came, if expected)."""
+    used, unused = (chunk_ce.one_launch, chunk_ce.split_grad)
+    if not chunk_ce.fused:
+        used, unused = unused, used
+    assert unused == [], f"FUSED_CHUNK_CE={chunk_ce.fused} but the other kernels ran on chunks {unused}"
+    assert bool(used) == chunks_expected
+
+
 @pytest.fixture
 def first_block_calls(monkeypatch):
     """Count uses of the path that stores the first min(N, H) tokens' logits in grad_weight."""
@@ -89,12 +121,13 @@ def first_block_calls(monkeypatch):
         (37, 48, 1000, None, False, 0),  # one chunk
     ],
 )
-def test_matches_reference(n, h, v, chunk, bias, first_block, reduction, first_block_calls):
+def test_matches_reference(n, h, v, chunk, bias, first_block, reduction, first_block_calls, chunk_ce):
     hidden, weight, b = _inputs(n, h, v, bias=bias)
     target = random_targets(n, v)
     _compare(hidden, weight, b, target, reduction, chunk_size=chunk, label_smoothing=0.1)
     # forward computes grads for mean/sum; "none" runs the loss-only forward then recomputes in backward
     assert first_block_calls == ([first_block] if first_block else [])
+    _check_chunk_ce(chunk_ce, chunks_expected=first_block < n)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -107,32 +140,35 @@ def test_matches_reference(n, h, v, chunk, bias, first_block, reduction, first_b
         dict(label_smoothing=0.1, z_loss_scale=1e-3, softcap=15.0, ignore_index=3),
     ],
 )
-def test_options(options, reduction):
+def test_options(options, reduction, chunk_ce):
     hidden, weight, bias = _inputs(37, 16, 1000, bias=True, logit_scale=4.0)
     target = random_targets(37, 1000, ignore_index=options.get("ignore_index", -100))
     _compare(hidden, weight, bias, target, reduction, chunk_size=7, **options)
+    _check_chunk_ce(chunk_ce)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 @pytest.mark.parametrize("h", [48, 16])  # 48: every token in grad_weight's storage; 16: then chunks
-def test_low_precision(dtype, reduction, h):
+def test_low_precision(dtype, reduction, h, chunk_ce):
     hidden, weight, bias = _inputs(37, h, 1000, dtype=dtype, bias=True)
     target = random_targets(37, 1000)
     # scale 2: grad_weight is accumulated in `dtype`, with one rounding per chunk (up to 5 here)
     _compare(hidden, weight, bias, target, reduction, dtype=dtype, scale=2.0, chunk_size=8, label_smoothing=0.1,
              softcap=20.0)
+    _check_chunk_ce(chunk_ce, chunks_expected=h < 37)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="exercises the GPU tile shapes (the interpreter tiles differ)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_gpu_sized_tiles(dtype, reduction):
+def test_gpu_sized_tiles(dtype, reduction, chunk_ce):
     """A 1024-token vocab-major first block (4 warps, many vocabulary splits), then token-major chunks."""
     hidden, weight, bias = _inputs(1500, 1024, 5003, dtype=dtype, bias=True)
     target = random_targets(1500, 5003)
     _compare(hidden, weight, bias, target, reduction, dtype=dtype, scale=2.0, chunk_size=200, label_smoothing=0.1,
              z_loss_scale=1e-3, softcap=30.0)
+    _check_chunk_ce(chunk_ce)
 
 
 def test_vocab_major_kernels_reject_other_layouts():
@@ -152,14 +188,15 @@ def test_large_logits_are_stable():
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_all_ignored_gives_zero_not_nan(reduction):
-    hidden, weight, bias = _inputs(7, 16, 33, bias=True)
+def test_all_ignored_gives_zero_not_nan(reduction, chunk_ce):
+    hidden, weight, bias = _inputs(7, 4, 33, bias=True)  # 4 tokens in grad_weight's storage, then chunks of 3
     h, w, b = _leaves(hidden, weight, bias)
     loss = fused_linear_cross_entropy(h, w, torch.full((7,), -100), bias=b, reduction=reduction, chunk_size=3,
                                       z_loss_scale=1e-2)
     loss.backward(torch.ones_like(loss))
     assert torch.count_nonzero(loss) == 0 and not torch.isnan(loss).any()
     assert all(torch.count_nonzero(g) == 0 for g in (h.grad, w.grad, b.grad))
+    _check_chunk_ce(chunk_ce)
 
 
 def test_empty_batch():
@@ -210,10 +247,11 @@ def test_num_items_in_batch_matches_reference():
     _compare(hidden, weight, None, random_targets(7, 33), "mean", num_items_in_batch=25, chunk_size=3)
 
 
-def test_upstream_gradient_scales_saved_grads():
-    hidden, weight, _ = _inputs(7, 16, 33)
+def test_upstream_gradient_scales_saved_grads(chunk_ce):
+    hidden, weight, _ = _inputs(7, 4, 33)  # 4 tokens in grad_weight's storage, then chunks of 3
     target = random_targets(7, 33)
     _compare(hidden, weight, None, target, "sum", upstream=torch.tensor(-2.5), chunk_size=3)
+    _check_chunk_ce(chunk_ce)
 
 
 def test_frozen_weight_or_frozen_hidden():

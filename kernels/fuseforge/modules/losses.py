@@ -43,7 +43,7 @@ class CrossEntropyLoss(_CrossEntropyOptions):
     forward(input [..., V], target [...]) -> loss. For inputs of rank > 2 the class dimension
     is the last one (LLM layout), not dim 1 as in torch. Adds z_loss_scale (PaLM z-loss),
     softcap (Gemma 2 logit softcapping) and inplace_grad (write the gradient into the
-    logits' buffer in backward; see fuseforge.ops.cross_entropy.cross_entropy).
+    logits' buffer instead of a new one; see fuseforge.ops.cross_entropy.cross_entropy).
     Class weights and probability targets are not supported.
     """
 

@@ -1,13 +1,24 @@
-"""Cross-entropy on logits: online softmax over the vocabulary, split across programs.
+"""Cross-entropy on logits: online softmax over the vocabulary, in two kernel designs.
 
-Why the shape of these kernels: a row of logits is too long (128k-256k classes) for one
-program to hold, and a chunk of a few hundred rows is too few rows to fill a GPU with one
-program per row. So the vocabulary of every row is split between programs: each program
-keeps a running max / sum-of-exp over its slice (fp32, one read of the logits), a tiny
-finalize kernel merges the slices into the log-sum-exp and the per-token loss, and a
-gradient kernel sweeps the logits once more and writes dloss/dlogits, possibly into the
-logits' own buffer. The kernels take explicit strides, so they also run on a transposed
-view ([tokens, vocab] stored vocab-major), which fused_linear_cross_entropy relies on.
+Why two: a row of logits is too long (128k-256k classes) for one program to hold, so
+every design walks it in tiles with a running max / sum-of-exp (fp32). What differs is
+who walks a row, and when the gradient is written.
+
+* Split path (ce_forward_stats, ce_write_grad): the vocabulary of every row is split
+  between programs, so that a chunk of a few hundred rows still fills the GPU; a tiny
+  finalize kernel merges the slices into the log-sum-exp and per-token loss, and a
+  gradient kernel, possibly in backward, sweeps the logits again from HBM and writes
+  dloss/dlogits (into the logits' own buffer if asked). It serves reduction="none" (the
+  per-token upstream gradient is only known in backward) and vocab-major views.
+* One-launch path (ce_fused_loss_and_grad): one program per row computes the loss, then
+  re-reads the row while it is still in L2 and writes the gradient, so the logits come
+  from HBM once. Used when the gradient can be written in forward (a scalar loss: its
+  upstream gradient is one factor applied in backward). On an H200 the split path's two
+  HBM reads took ~88 us per FLCE chunk (256 x 128256 bf16); a single kernel of this
+  design (Liger-Kernel's) took ~54 us.
+
+All kernels take explicit strides, so they also run on a transposed view ([tokens, vocab]
+stored vocab-major), which fused_linear_cross_entropy relies on.
 
 Semantics match torch.nn.functional.cross_entropy with class indices (label smoothing
 included: loss = (1 - ls) * nll + ls * mean over classes of -log p), plus two extras used
@@ -39,6 +50,15 @@ from fuseforge.ops.utils import (
 # Per (vocab split, token) the stats kernel leaves: running max, sum of exp(z - max),
 # sum of z (label smoothing) and the target's logit (0 unless the split holds it).
 N_STATS = 4
+
+# Switch: compute the gradient in forward, with one launch, where that is possible (see
+# _CrossEntropyFunction). Read at call time; False gives the split path everywhere.
+GRAD_IN_FORWARD = True
+
+# GPU launch of the one-launch kernel (one row per program). Read at call time, so that
+# benchmarks/tune.py can sweep them.
+_GPU_FUSED_BLOCK_V = 8192
+_GPU_FUSED_NUM_WARPS = 16
 
 
 @dataclass(frozen=True)
@@ -188,6 +208,16 @@ def grad_coefficients(scale, valid, lse, n_vocab, label_smoothing, z_loss_scale)
 
 
 @triton.jit
+def load_scale(scale_ptr, offs_t, mask_t, SCALE_PER_ROW: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The gradient scale of the tokens offs_t (fp32): one element shared by all, or one per token."""
+    if SCALE_PER_ROW:
+        scale = tl.load(scale_ptr + offs_t, mask=mask_t, other=0.0).to(tl.float32)
+    else:
+        scale = tl.load(scale_ptr).to(tl.float32) + tl.zeros([BLOCK_T], tl.float32)
+    return scale
+
+
+@triton.jit
 def load_grad_coefficients(
     target_ptr, lse_ptr, scale_ptr, offs_t, mask_t, n_vocab, ignore_index, label_smoothing, z_loss_scale,
     SCALE_PER_ROW: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -196,10 +226,7 @@ def load_grad_coefficients(
     element, or one per token when SCALE_PER_ROW."""
     target = tl.load(target_ptr + offs_t, mask=mask_t, other=ignore_index)
     valid = mask_t & (target != ignore_index)
-    if SCALE_PER_ROW:
-        scale = tl.load(scale_ptr + offs_t, mask=mask_t, other=0.0).to(tl.float32)
-    else:
-        scale = tl.load(scale_ptr).to(tl.float32) + tl.zeros([BLOCK_T], tl.float32)
+    scale = load_scale(scale_ptr, offs_t, mask_t, SCALE_PER_ROW, BLOCK_T)
     lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
     softmax_coef, smooth, hit, lse = grad_coefficients(scale, valid, lse, n_vocab, label_smoothing, z_loss_scale)
     return target, valid, softmax_coef, smooth, hit, lse
@@ -313,6 +340,59 @@ def _ce_grad_kernel(
         tl.store(g_row[:, None] + offs_v64[None, :] * stride_gv, g.to(g_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _ce_fused_kernel(
+    x_ptr, stride_xt, stride_xv, g_ptr, stride_gt, stride_gv, target_ptr, loss_ptr, lse_ptr, scale_ptr,
+    n_tokens, n_vocab, ignore_index, label_smoothing, z_loss_scale, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
+    SCALE_PER_ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Loss, lse and g = scale * dloss/dlogits of BLOCK_T whole rows in one launch; g may alias x.
+
+    Pass 1 folds each row into its softmax statistics; pass 2 re-reads the row, which the
+    program read moments ago (so on a GPU it comes from L2, not HBM), and writes g tile by
+    tile (each element read, then written, by this program only).
+    """
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < n_tokens
+    target = tl.load(target_ptr + offs_t, mask=mask_t, other=ignore_index)
+    x_row = x_ptr + offs_t.to(tl.int64) * stride_xt
+
+    run_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    run_sum = tl.zeros([BLOCK_T], tl.float32)
+    logit_sum = tl.zeros([BLOCK_T], tl.float32)
+    target_logit = tl.zeros([BLOCK_T], tl.float32)
+    for v0 in range(0, n_vocab, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        mask = mask_t[:, None] & (offs_v < n_vocab)[None, :]
+        x = tl.load(x_row[:, None] + offs_v.to(tl.int64)[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
+        hits_target = offs_v[None, :] == target[:, None]
+        run_max, run_sum, logit_sum, target_logit = fold_tile_stats(
+            x, mask, hits_target, run_max, run_sum, logit_sum, target_logit, softcap, HAS_SOFTCAP, VOCAB_AXIS=1
+        )
+    # Rows past n_tokens (never stored) get lse 0, not -inf, so no inf - inf is ever computed.
+    lse = tl.where(mask_t, run_max, 0.0) + tl.log(tl.where(mask_t, run_sum, 1.0))
+    loss = _token_loss(
+        lse, target_logit, logit_sum, target, n_vocab, ignore_index, label_smoothing, z_loss_scale,
+        HAS_SMOOTHING, HAS_Z_LOSS,
+    )
+    tl.store(loss_ptr + offs_t, loss, mask=mask_t)
+    tl.store(lse_ptr + offs_t, lse, mask=mask_t)
+
+    scale = load_scale(scale_ptr, offs_t, mask_t, SCALE_PER_ROW, BLOCK_T)
+    valid = mask_t & (target != ignore_index)
+    softmax_coef, smooth, hit, lse = grad_coefficients(scale, valid, lse, n_vocab, label_smoothing, z_loss_scale)
+    g_row = g_ptr + offs_t.to(tl.int64) * stride_gt
+    for v0 in range(0, n_vocab, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        offs_v64 = offs_v.to(tl.int64)
+        mask = mask_t[:, None] & (offs_v < n_vocab)[None, :]
+        x = tl.load(x_row[:, None] + offs_v64[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
+        hits_target = offs_v[None, :] == target[:, None]
+        g = grad_tile(x, hits_target, valid, lse, softmax_coef, smooth, hit, softcap, HAS_SOFTCAP, VOCAB_AXIS=1)
+        tl.store(g_row[:, None] + offs_v64[None, :] * stride_gv, g.to(g_ptr.dtype.element_ty), mask=mask)
+
+
 # --------------------------------------------------------------------------------------
 # Launchers (shared with fused_linear_cross_entropy)
 # --------------------------------------------------------------------------------------
@@ -329,13 +409,22 @@ class VocabSplitTiling:
     vocab_per_split: int
 
 
+def is_vocab_major(logits: torch.Tensor) -> bool:
+    """True for a [tokens, vocab] view whose tokens are adjacent in memory (a transposed [vocab, tokens] buffer)."""
+    return logits.stride(0) == 1 and logits.shape[0] > 1
+
+
+def _interpreter_block_t(n_tokens: int) -> int:
+    """Rows per program under the interpreter, which pays ~ms per program instance: few, large programs."""
+    return min(triton.next_power_of_2(max(n_tokens, 1)), 16)
+
+
 def _tiling(logits: torch.Tensor, n_splits: int | None = None) -> VocabSplitTiling:
     """Tile shape by memory layout; split the vocabulary until the grid fills the device."""
     n_tokens, n_vocab = logits.shape
     if is_interpreter():
-        # Few, large programs: the interpreter pays ~ms per program instance.
-        block_t, block_v, warps = min(triton.next_power_of_2(max(n_tokens, 1)), 16), 1024, 4
-    elif logits.stride(0) == 1 and n_tokens > 1:
+        block_t, block_v, warps = _interpreter_block_t(n_tokens), 1024, 4
+    elif is_vocab_major(logits):
         # Vocab-major storage (the transposed chunk of the fused linear path): tokens are
         # contiguous, so a tile spans 64 tokens (128 B of bf16) per vocabulary entry.
         block_t, block_v, warps = 64, 64, 8
@@ -412,6 +501,43 @@ def ce_write_grad(
     return out
 
 
+def ce_fused_loss_and_grad(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    opts: LossOptions,
+    scale: torch.Tensor,
+    out: torch.Tensor,
+    loss_out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss and lse (fp32), and out = scale * dloss/dlogits, in one launch.
+
+    Same results as ce_forward_stats then ce_write_grad, but each row is read by one program
+    that re-reads it while it is still in L2. Made for token-major [tokens, vocab] views (any
+    strides work; vocab-major ones are slow). `scale` is fp32 with 1 element or one per
+    token; `out` may be `logits` itself.
+    """
+    n_tokens, n_vocab = logits.shape
+    loss = loss_out if loss_out is not None else torch.empty(n_tokens, dtype=torch.float32, device=logits.device)
+    lse = lse_out if lse_out is not None else torch.empty(n_tokens, dtype=torch.float32, device=logits.device)
+    if n_tokens == 0:
+        return loss, lse
+    if is_interpreter():
+        block_t, block_v, warps = _interpreter_block_t(n_tokens), 1024, 4
+    else:
+        block_t, block_v, warps = 1, _GPU_FUSED_BLOCK_V, _GPU_FUSED_NUM_WARPS
+    block_v = min(block_v, triton.next_power_of_2(n_vocab))
+    _ce_fused_kernel[(triton.cdiv(n_tokens, block_t),)](
+        logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1), target, loss, lse, scale,
+        n_tokens, n_vocab, opts.ignore_index, opts.label_smoothing, opts.z_loss_scale,
+        opts.softcap if opts.softcap is not None else 1.0,
+        HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0.0,
+        HAS_Z_LOSS=opts.z_loss_scale > 0.0, SCALE_PER_ROW=scale.numel() != 1,
+        BLOCK_T=block_t, BLOCK_V=block_v, num_warps=warps,
+    )
+    return loss, lse
+
+
 def mark_overwritten(t: torch.Tensor) -> None:
     """Bump the version counter of a tensor a kernel wrote in place, so that any autograd node
     that saved it raises "modified by an inplace operation" instead of using garbage."""
@@ -431,33 +557,69 @@ def mean_denominator_inverse(target: torch.Tensor, ignore_index: int) -> torch.T
 # --------------------------------------------------------------------------------------
 
 
-class _CrossEntropyFunction(torch.autograd.Function):
-    """Forward: one read of the logits for loss and lse. Backward: one read + one write for the gradient.
+def multiply_by_grad_output(grads, grad_output: torch.Tensor) -> None:
+    """Scale gradients computed in forward, in place, by the scalar upstream gradient.
 
-    The gradient is produced in backward, from the saved logits and lse, already multiplied
-    by grad_output (per token for reduction="none"), so forward never holds a second
-    [N, V] buffer and no host sync is needed to apply grad_output.
+    Skipped when it is exactly 1 (the usual loss.backward()), which costs one host sync but
+    saves a read-modify-write of every gradient. During CUDA graph capture no sync is allowed,
+    so the multiply always runs (with the factor rounded to the gradient dtype).
+    """
+    tensors = [t for t in grads if t is not None]
+    if grad_output.is_cuda and torch.cuda.is_current_stream_capturing():
+        for t in tensors:
+            t.mul_(grad_output)
+        return
+    factor = float(grad_output)
+    if factor != 1.0:
+        for t in tensors:
+            t.mul_(factor)
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    """Two ways to the same loss and gradient; `grad_in_forward` picks one (see cross_entropy).
+
+    Gradient in forward (reduction "mean"/"sum"): the loss is a scalar, so dloss/dlogits is
+    known up to the factor grad_output before backward runs. One kernel reads each row,
+    re-reads it from L2 and writes the gradient: one HBM read of the logits instead of two.
+    Only the gradient is saved; backward multiplies it by grad_output (one host sync).
+
+    Gradient in backward (reduction "none", vocab-major views, or GRAD_IN_FORWARD=False):
+    forward reads the logits once for loss and lse (vocabulary split across programs, which
+    fills the GPU even for a few rows); backward reads them again and writes the gradient
+    already multiplied by grad_output (per token for "none"), with no host sync and no
+    second [N, V] buffer held between forward and backward.
     """
 
     @staticmethod
-    def forward(ctx, logits, target, opts: LossOptions, reduction: str, inplace_grad: bool):
-        loss_tok, lse = ce_forward_stats(logits, target, opts)
-        inv_count = None
+    def forward(ctx, logits, target, opts: LossOptions, reduction: str, inplace_grad: bool, grad_in_forward: bool):
+        inv_count = mean_denominator_inverse(target, opts.ignore_index) if reduction == "mean" else None
+        if grad_in_forward:
+            scale = inv_count.reshape(1) if inv_count is not None else logits.new_ones(1, dtype=torch.float32)
+            grad = logits if inplace_grad else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+            loss_tok, lse = ce_fused_loss_and_grad(logits, target, opts, scale, out=grad)
+            if inplace_grad:
+                mark_overwritten(logits)
+            ctx.save_for_backward(grad)
+        else:
+            loss_tok, lse = ce_forward_stats(logits, target, opts)
+            ctx.save_for_backward(logits, target, lse, inv_count)
         if reduction == "none":
             loss = loss_tok
         elif reduction == "sum":
             loss = loss_tok.sum()
         else:
-            inv_count = mean_denominator_inverse(target, opts.ignore_index)
             loss = loss_tok.sum() * inv_count
-        ctx.save_for_backward(logits, target, lse, inv_count)
-        ctx.opts, ctx.reduction, ctx.inplace_grad = opts, reduction, inplace_grad
+        ctx.opts, ctx.reduction, ctx.inplace_grad, ctx.grad_in_forward = opts, reduction, inplace_grad, grad_in_forward
         ctx.mark_non_differentiable(lse)
         return loss.to(logits.dtype), lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_lse):
+        if ctx.grad_in_forward:
+            (grad,) = ctx.saved_tensors
+            multiply_by_grad_output((grad,), grad_loss)
+            return grad, None, None, None, None, None
         logits, target, lse, inv_count = ctx.saved_tensors
         if ctx.reduction == "none":
             scale = grad_loss.to(torch.float32).contiguous()
@@ -470,7 +632,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         ce_write_grad(logits, target, lse, scale, ctx.opts, out=grad)
         if inplace:
             mark_overwritten(logits)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def cross_entropy(
@@ -497,10 +659,17 @@ def cross_entropy(
     replaces the logits by softcap * tanh(logits / softcap) first (Gemma 2). Both are
     differentiated through.
 
-    inplace_grad=True writes the gradient into the logits' own buffer during backward (saves
-    one [N, V] allocation). Opt in only when nothing reads the logits after backward; any
-    autograd node that saved them then raises instead of silently using the gradient.
-    Ignored for leaf tensors (their .grad must not alias their data).
+    When the logits need a gradient and reduction is "mean" or "sum", the gradient is
+    computed during this call, in one kernel with the loss (one read of the logits from HBM
+    instead of two), and held until backward, which only multiplies it by grad_output (one
+    host sync, none when capturing a CUDA graph). reduction="none", vocab-major views and
+    fuseforge.ops.cross_entropy.GRAD_IN_FORWARD = False compute it in backward instead.
+
+    inplace_grad=True writes the gradient into the logits' own buffer (saves one [N, V]
+    allocation): during this call when the gradient is computed here, else during backward.
+    Opt in only when nothing reads the logits after the loss call; any autograd node that
+    saved them then raises instead of silently using the gradient. Ignored for leaf tensors
+    (their .grad must not alias their data).
 
     return_lse=True also returns the fp32 log-sum-exp per token (shape of target, not
     differentiable; defined at ignored tokens too).
@@ -523,7 +692,14 @@ def cross_entropy(
     inplace_grad = bool(inplace_grad) and not base.is_leaf
     flat_logits = logits.reshape(-1, n_classes)
     flat_target = target.reshape(-1).to(torch.int64).contiguous()
-    loss, lse = _CrossEntropyFunction.apply(flat_logits, flat_target, opts, reduction, inplace_grad)
+    grad_in_forward = (
+        GRAD_IN_FORWARD
+        and reduction != "none"  # the per-token grad_output is only known in backward
+        and logits.requires_grad
+        and torch.is_grad_enabled()
+        and not is_vocab_major(flat_logits)
+    )
+    loss, lse = _CrossEntropyFunction.apply(flat_logits, flat_target, opts, reduction, inplace_grad, grad_in_forward)
     if reduction == "none":
         loss = loss.view(target.shape)
     if return_lse:

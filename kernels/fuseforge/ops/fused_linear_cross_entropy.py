@@ -7,7 +7,8 @@ and gradient several more. Here the logits only ever exist one chunk at a time:
   cross-entropy kernels turn them into dloss/dlogits in place (fp32 math, chunk dtype out),
   then grad_hidden[chunk] = g @ weight and grad_weight += g.T @ hidden_chunk (addmm_, beta=1,
   accumulated in the weight's dtype like Liger-Kernel; one bf16 rounding per chunk).
-  Chunks hold <= 64 MiB of logits by default (256 tokens at V=128256 in bf16).
+  Chunks hold <= 64 MiB of logits by default (256 tokens at V=128256 in bf16), and at least
+  256 tokens (more memory only above a 128k vocabulary; see MIN_CHUNK_TOKENS).
 * Small chunks make every chunk re-read and re-write all of grad_weight (V x H). To halve
   that traffic at no memory cost, the first min(N, H) tokens use grad_weight's own storage
   as their scratch: before grad_weight holds anything, its V*H elements fit the logits of H
@@ -38,11 +39,13 @@ from torch.autograd.function import once_differentiable
 from fuseforge.ops.cross_entropy import (
     LossOptions,
     ce_forward_stats,
+    ce_fused_loss_and_grad,
     ce_write_grad,
     check_loss_options,
     check_target,
     check_target_range,
     mean_denominator_inverse,
+    multiply_by_grad_output,
 )
 from fuseforge.ops.utils import (
     TRAINING_DTYPES,
@@ -55,6 +58,11 @@ from fuseforge.ops.vocab_major_cross_entropy import vocab_major_grad_in_place, v
 
 # Logits scratch per chunk (and the grad_weight slice temporary), the only O(V) extra memory.
 DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+# Switch: token-major chunks whose gradient is wanted get loss and gradient from one kernel
+# launch (each logit read once from HBM, re-read from L2) instead of the split stats and
+# gradient kernels. Read at call time.
+FUSED_CHUNK_CE = True
 
 
 def _round_rows(rows: int) -> int:
@@ -69,9 +77,17 @@ def _round_rows(rows: int) -> int:
     return max(rows, 1)
 
 
+# ...but never fewer tokens than this per chunk: every chunk reads and writes all of grad_weight
+# ([V, H]) once, while its three matmuls scale with the chunk's tokens, so the share of time lost
+# to that traffic depends on the chunk length alone (~ element_size * FLOP/s / (3 * tokens * B/s):
+# about half of the matmul time at 256 tokens on an H200). Only vocabularies above 128k (bf16)
+# go past DEFAULT_CHUNK_BYTES because of it (256k: 125 MiB, as Liger-Kernel takes there).
+MIN_CHUNK_TOKENS = 256
+
+
 def default_chunk_tokens(n_vocab: int, element_size: int) -> int:
-    """Tokens per chunk so that one chunk of logits stays within DEFAULT_CHUNK_BYTES."""
-    return _round_rows(DEFAULT_CHUNK_BYTES // (n_vocab * element_size))
+    """Tokens per chunk: logits within DEFAULT_CHUNK_BYTES, but at least MIN_CHUNK_TOKENS."""
+    return max(_round_rows(DEFAULT_CHUNK_BYTES // (n_vocab * element_size)), MIN_CHUNK_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -175,32 +191,19 @@ def _sweep(hidden, weight, bias, target, opts: LossOptions, scale, wanted: _Want
                 torch.mm(hidden[s:e], weight.t(), out=logits)
             else:
                 torch.addmm(bias, hidden[s:e], weight.t(), out=logits)
-            ce_forward_stats(logits, target[s:e], opts, loss_out=loss[s:e], lse_out=lse[s:e])
+            if grads is not None and FUSED_CHUNK_CE:
+                ce_fused_loss_and_grad(logits, target[s:e], opts, _rows(scale, s, e), out=logits,
+                                       loss_out=loss[s:e], lse_out=lse[s:e])
+            else:
+                ce_forward_stats(logits, target[s:e], opts, loss_out=loss[s:e], lse_out=lse[s:e])
+                if grads is not None:
+                    ce_write_grad(logits, target[s:e], lse[s:e], _rows(scale, s, e), opts, out=logits)
             if grads is not None:
-                ce_write_grad(logits, target[s:e], lse[s:e], _rows(scale, s, e), opts, out=logits)
                 grads.add_chunk(logits, hidden[s:e], weight, slice(s, e))
         del scratch
     if grads is not None:
         grads.finish(bias)
     return loss, lse, grads
-
-
-def _multiply_by_grad_output(grads: tuple, grad_output: torch.Tensor) -> None:
-    """Scale the saved gradients in place by the scalar upstream gradient.
-
-    Skipped when it is exactly 1 (the usual loss.backward()), which costs one host sync but
-    saves a read-modify-write of grad_weight. During CUDA graph capture no sync is allowed, so
-    the multiply always runs (with the factor rounded to the gradient dtype).
-    """
-    tensors = [t for t in grads if t is not None]
-    if grad_output.is_cuda and torch.cuda.is_current_stream_capturing():
-        for t in tensors:
-            t.mul_(grad_output)
-        return
-    factor = float(grad_output)
-    if factor != 1.0:
-        for t in tensors:
-            t.mul_(factor)
 
 
 class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
@@ -233,7 +236,7 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_hidden, grad_weight, grad_bias = grads.hidden, grads.weight, grads.bias
         else:
             grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-            _multiply_by_grad_output((grad_hidden, grad_weight, grad_bias), grad_loss)
+            multiply_by_grad_output((grad_hidden, grad_weight, grad_bias), grad_loss)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
@@ -311,7 +314,8 @@ def fused_linear_cross_entropy(
     by this batch's non-ignored tokens (transformers' gradient-accumulation normalization).
     A tensor count of 0 gives loss 0. return_lse=True returns (loss, lse) with lse fp32 of
     shape target.shape (not differentiable). chunk_size overrides the tokens per chunk
-    (default: chunk logits <= 64 MiB); memory scales with it, speed improves up to a point.
+    (default: chunk logits <= 64 MiB, at least 256 tokens); memory scales with it, speed
+    improves up to a point.
     grad_weight is accumulated in the weight's dtype (one rounding per chunk).
     """
     opts = check_loss_options(ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
