@@ -142,8 +142,12 @@ def fwd_bwd(forward: Callable[[], torch.Tensor | tuple], leaves: list[torch.Tens
             t.grad = None
         out = forward()
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        if upstream is None:
-            upstream = [torch.ones_like(o) if o.numel() == 1 else torch.randn_like(o) for o in outs]
+        if upstream is None:  # seeded: every implementation of a case gets the same upstream gradients
+            gen = torch.Generator(outs[0].device).manual_seed(1234)
+            upstream = [
+                torch.ones_like(o) if o.numel() == 1 else torch.randn(o.shape, generator=gen, device=o.device).to(o.dtype)
+                for o in outs
+            ]
         torch.autograd.backward(outs, upstream)
 
     return run

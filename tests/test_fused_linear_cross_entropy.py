@@ -382,3 +382,16 @@ def test_retained_graph_backward_twice():
         loss.backward(retain_graph=True)
         assert_close(h.grad, k * first[0], torch.float32)
         assert_close(w.grad, k * first[1], torch.float32)
+
+
+def test_default_chunk_follows_memory_budget():
+    """64 MiB of bf16 logits at a 128k vocabulary, at least 256 tokens, and as much as the hidden
+    states themselves for big batches (fewer read-modify-writes of grad_weight)."""
+    from fuseforge.ops.fused_linear_cross_entropy import default_chunk_tokens
+
+    mib = 2**20
+    assert default_chunk_tokens(128256, 2, 8192 * 4096 * 2) == 256  # 64 MiB / 250.5 KiB per token
+    assert default_chunk_tokens(32000, 2) == 1040  # 64 MiB / 62.5 KiB, rounded down to a multiple of 16
+    assert default_chunk_tokens(256000, 2) == 256  # the 256-token floor: 125 MiB
+    big = default_chunk_tokens(128256, 2, 65536 * 4096 * 2)  # 512 MiB of hidden states
+    assert big == 2080 and big * 128256 * 2 <= 512 * mib

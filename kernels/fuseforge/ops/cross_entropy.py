@@ -55,10 +55,16 @@ N_STATS = 4
 # _CrossEntropyFunction). Read at call time; False gives the split path everywhere.
 GRAD_IN_FORWARD = True
 
-# GPU launch of the one-launch kernel (one row per program). Read at call time, so that
-# benchmarks/tune.py can sweep them.
+# GPU launch of the one-launch kernel (one row per program), by row count. Read at call time,
+# so that benchmarks/tune.py can sweep them. Measured on the H200 (benchmarks/RESULTS.md):
+# a fused-linear chunk (256 x 128256) is fastest with few wide programs (8192 / 16 warps:
+# 108 us of kernels per step vs 128 us at 4096 / 8), a full batch (8192 x 128256) with many
+# narrow ones (4096 / 8 warps: 1.92 ms vs 2.40 ms).
 _GPU_FUSED_BLOCK_V = 8192
 _GPU_FUSED_NUM_WARPS = 16
+_GPU_FUSED_MANY_ROWS = 4096  # from this many rows on, use the narrow launch below
+_GPU_FUSED_MANY_ROWS_BLOCK_V = 4096
+_GPU_FUSED_MANY_ROWS_NUM_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -526,6 +532,8 @@ def ce_fused_loss_and_grad(
         block_t, block_v, warps = _interpreter_block_t(n_tokens), 1024, 4
     else:
         block_t, block_v, warps = 1, _GPU_FUSED_BLOCK_V, _GPU_FUSED_NUM_WARPS
+        if n_tokens >= _GPU_FUSED_MANY_ROWS:
+            block_v, warps = _GPU_FUSED_MANY_ROWS_BLOCK_V, _GPU_FUSED_MANY_ROWS_NUM_WARPS
     block_v = min(block_v, triton.next_power_of_2(n_vocab))
     _ce_fused_kernel[(triton.cdiv(n_tokens, block_t),)](
         logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1), target, loss, lse, scale,

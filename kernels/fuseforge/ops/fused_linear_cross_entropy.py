@@ -7,8 +7,8 @@ and gradient several more. Here the logits only ever exist one chunk at a time:
   cross-entropy kernels turn them into dloss/dlogits in place (fp32 math, chunk dtype out),
   then grad_hidden[chunk] = g @ weight and grad_weight += g.T @ hidden_chunk (addmm_, beta=1,
   accumulated in the weight's dtype like Liger-Kernel; one bf16 rounding per chunk).
-  Chunks hold <= 64 MiB of logits by default (256 tokens at V=128256 in bf16), and at least
-  256 tokens (more memory only above a 128k vocabulary; see MIN_CHUNK_TOKENS).
+  Chunks hold <= 64 MiB of logits by default (256 tokens at V=128256 in bf16), or as much as
+  `hidden` itself when that is larger, and at least 256 tokens (see default_chunk_tokens).
 * Small chunks make every chunk re-read and re-write all of grad_weight (V x H). To halve
   that traffic at no memory cost, the first min(N, H) tokens use grad_weight's own storage
   as their scratch: before grad_weight holds anything, its V*H elements fit the logits of H
@@ -85,9 +85,17 @@ def _round_rows(rows: int) -> int:
 MIN_CHUNK_TOKENS = 256
 
 
-def default_chunk_tokens(n_vocab: int, element_size: int) -> int:
-    """Tokens per chunk: logits within DEFAULT_CHUNK_BYTES, but at least MIN_CHUNK_TOKENS."""
-    return max(_round_rows(DEFAULT_CHUNK_BYTES // (n_vocab * element_size)), MIN_CHUNK_TOKENS)
+def default_chunk_tokens(n_vocab: int, element_size: int, hidden_bytes: int = 0) -> int:
+    """Tokens per chunk: logits within DEFAULT_CHUNK_BYTES or the size of the hidden states
+    (`hidden_bytes`), whichever is larger, but at least MIN_CHUNK_TOKENS.
+
+    Why the hidden states' size: a big batch (an 8B model at 64k tokens) would otherwise cut its
+    loss into hundreds of chunks, each re-reading grad_weight, to save memory that is small next
+    to the batch's own activations (one more tensor the size of the input: 512 MiB there, the
+    chunk Liger-Kernel takes at that shape; measured in benchmarks/RESULTS.md).
+    """
+    budget = max(DEFAULT_CHUNK_BYTES, hidden_bytes)
+    return max(_round_rows(budget // (n_vocab * element_size)), MIN_CHUNK_TOKENS)
 
 
 @dataclass(frozen=True)
@@ -314,8 +322,8 @@ def fused_linear_cross_entropy(
     by this batch's non-ignored tokens (transformers' gradient-accumulation normalization).
     A tensor count of 0 gives loss 0. return_lse=True returns (loss, lse) with lse fp32 of
     shape target.shape (not differentiable). chunk_size overrides the tokens per chunk
-    (default: chunk logits <= 64 MiB, at least 256 tokens); memory scales with it, speed
-    improves up to a point.
+    (default: chunk logits <= max(64 MiB, the size of `hidden`), at least 256 tokens); memory
+    scales with it, speed improves up to a point.
     grad_weight is accumulated in the weight's dtype (one rounding per chunk).
     """
     opts = check_loss_options(ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
@@ -341,7 +349,9 @@ def fused_linear_cross_entropy(
         check_same_dtype(hidden=hidden, weight=weight, bias=bias)
     except TypeError as err:
         raise TypeError(f"{err}; cast them to one dtype or run under torch.autocast") from None
-    chunk = check_chunk_size(chunk_size) or default_chunk_tokens(n_vocab, hidden.element_size())
+    chunk = check_chunk_size(chunk_size) or default_chunk_tokens(
+        n_vocab, hidden.element_size(), hidden.numel() * hidden.element_size()
+    )
     if num_items_in_batch is not None and reduction != "mean":
         raise ValueError(f"num_items_in_batch only applies to reduction='mean', got reduction={reduction!r}")
     check_target_range(target, n_vocab, opts.ignore_index)
