@@ -76,13 +76,8 @@ def builder_and_shape(op: str):
     return builder, shape
 
 
-def kernel_ms(fn, steps: int = 10) -> float:
-    """GPU time of one step: the device time of every kernel it launches (torch.profiler), summed.
-
-    What tuning is about: on this VM each launch costs ~50 us of host time, which hides small
-    kernels from do_bench, and a step with a host sync (the cross-entropy target check) cannot
-    be replayed from a CUDA graph.
-    """
+def kernel_events(fn, steps: int = 5):
+    """torch.profiler's per-kernel averages over `steps` runs of `fn` (after one warm-up run)."""
     from torch.profiler import ProfilerActivity, profile as tprofile
 
     fn()
@@ -91,7 +86,17 @@ def kernel_ms(fn, steps: int = 10) -> float:
         for _ in range(steps):
             fn()
         torch.cuda.synchronize()
-    return sum(getattr(e, "self_device_time_total", 0) for e in prof.key_averages()) / 1e3 / steps
+    return prof.key_averages()
+
+
+def kernel_ms(fn, steps: int = 10) -> float:
+    """GPU time of one step: the device time of every kernel it launches, summed.
+
+    What tuning is about: on this VM each launch costs ~50 us of host time, which hides small
+    kernels from do_bench, and a step with a host sync (the cross-entropy target check) cannot
+    be replayed from a CUDA graph.
+    """
+    return sum(getattr(e, "self_device_time_total", 0) for e in kernel_events(fn, steps)) / 1e3 / steps
 
 
 def grads_of(case, impl):
@@ -131,16 +136,9 @@ def python_profile(fn, steps=20):
 
 
 def profile(fn, steps=5):
-    from torch.profiler import ProfilerActivity, profile as tprofile
-
-    fn()
-    torch.cuda.synchronize()
-    with tprofile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
+    events = kernel_events(fn, steps)
     rows = []
-    for e in prof.key_averages():
+    for e in events:
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t > 0:
             rows.append((t / steps, e.count // steps, e.key[:70]))
