@@ -55,8 +55,12 @@ def main() -> int:
     f32, i64 = "*fp32", "*i64"
     for dt in ("*bf16", "*fp16", "*fp32"):
         for softcap in (False, True):
-            compile_for_sm90(ce._ce_stats_kernel, {**data("x_ptr"), "target_ptr": i64, "stats_ptr": f32}, dt,
-                             dict(HAS_SOFTCAP=softcap, BLOCK_T=1, BLOCK_V=4096))
+            for smoothing in (False, True):  # the sum of z is only accumulated with label smoothing
+                stats = dict(HAS_SOFTCAP=softcap, HAS_SMOOTHING=smoothing)
+                compile_for_sm90(ce._ce_stats_kernel, {**data("x_ptr"), "target_ptr": i64, "stats_ptr": f32}, dt,
+                                 dict(stats, BLOCK_T=1, BLOCK_V=4096))
+                compile_for_sm90(vm._stats_kernel, {**data("x_ptr"), "target_ptr": i64, "stats_ptr": f32}, dt,
+                                 dict(stats, BLOCK_T=64, BLOCK_V=64))
             compile_for_sm90(ce._ce_grad_kernel, {**data("x_ptr", "g_ptr"), "target_ptr": i64, "lse_ptr": f32,
                                                   "scale_ptr": f32}, dt,
                              dict(HAS_SOFTCAP=softcap, SCALE_PER_ROW=softcap, BLOCK_T=1, BLOCK_V=4096))
@@ -65,8 +69,6 @@ def main() -> int:
                              dict(HAS_SOFTCAP=softcap, HAS_SMOOTHING=softcap, HAS_Z_LOSS=softcap,
                                   SCALE_PER_ROW=softcap, BLOCK_T=1, BLOCK_V=ce._GPU_FUSED_BLOCK_V),
                              num_warps=ce._GPU_FUSED_NUM_WARPS)
-            compile_for_sm90(vm._stats_kernel, {**data("x_ptr"), "target_ptr": i64, "stats_ptr": f32}, dt,
-                             dict(HAS_SOFTCAP=softcap, BLOCK_T=64, BLOCK_V=64))
             compile_for_sm90(vm._grad_kernel, {**data("x_ptr"), "target_ptr": i64, "lse_ptr": f32, "scale_ptr": f32},
                              dt, dict(HAS_SOFTCAP=softcap, SCALE_PER_TOKEN=softcap, BLOCK_T=64, BLOCK_V=64))
         norm_cons = dict(COMPUTE=tl.float32, EMULATE_RNE=False, ROW_BLOCK=1, BLOCK_N=4096)

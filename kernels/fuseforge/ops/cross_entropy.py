@@ -117,7 +117,8 @@ def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) 
 
     One reduction and a single host sync per call (not per row). Skipped while a CUDA graph
     is being captured, where a sync is illegal: the kernels never read out of bounds on a
-    bad index anyway (the target's logit is found by comparison), the loss is just wrong.
+    bad index anyway (the target's logit is loaded only from inside the vocabulary), the
+    loss is just wrong.
     """
     if target.numel() == 0:
         return
@@ -156,24 +157,60 @@ def _softcap_slope(x, softcap):
 
 
 @triton.jit
+def init_tile_stats(BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, VOCAB_AXIS: tl.constexpr):
+    """Empty statistics: per-row max -inf; tile-shaped (vocabulary along VOCAB_AXIS) sums at 0."""
+    run_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    if VOCAB_AXIS == 1:
+        acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_V, BLOCK_T], tl.float32)
+    return run_max, acc, acc
+
+
+@triton.jit
 def fold_tile_stats(
-    x, mask, hits_target, run_max, run_sum, logit_sum, target_logit, softcap,
-    HAS_SOFTCAP: tl.constexpr, VOCAB_AXIS: tl.constexpr,
+    x, mask, run_max, exp_acc, z_acc, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, VOCAB_AXIS: tl.constexpr,
 ):
     """Fold one tile of logits (vocabulary along VOCAB_AXIS) into the running softmax statistics.
 
-    Shared by the token-major ([tokens, vocab] tiles, VOCAB_AXIS=1) and vocab-major
-    ([vocab, tokens] tiles, VOCAB_AXIS=0) kernels so that both compute the same loss.
+    Only the row max is reduced per tile (exp() needs it to stay in range); the sums of
+    exp(z - max) and of z stay tile-shaped, elementwise, until finish_tile_stats: each
+    cross-warp reduction is a shared-memory round trip and a barrier, which bound this loop
+    on the H200, not HBM. Shared by the token-major ([tokens, vocab] tiles, VOCAB_AXIS=1)
+    and vocab-major ([vocab, tokens] tiles, VOCAB_AXIS=0) kernels so both give the same loss.
     """
     z = _capped_logits(x, softcap, HAS_SOFTCAP)
     z = tl.where(mask, z, float("-inf"))
     new_max = tl.maximum(run_max, tl.max(z, axis=VOCAB_AXIS))
     # A row with nothing seen yet keeps max = -inf; shift by 0 there so exp() gives 0, not NaN.
     shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-    run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(z - tl.expand_dims(shift, VOCAB_AXIS)), axis=VOCAB_AXIS)
-    logit_sum += tl.sum(tl.where(mask, z, 0.0), axis=VOCAB_AXIS)
-    target_logit += tl.sum(tl.where(mask & hits_target, z, 0.0), axis=VOCAB_AXIS)
-    return new_max, run_sum, logit_sum, target_logit
+    # One exp per row moves what was accumulated to the new max; masked lanes add exp(-inf) = 0.
+    rescale = tl.exp(run_max - shift)
+    exp_acc = exp_acc * tl.expand_dims(rescale, VOCAB_AXIS) + tl.exp(z - tl.expand_dims(shift, VOCAB_AXIS))
+    if HAS_SMOOTHING:  # the sum of z only feeds the label-smoothing term
+        z_acc += tl.where(mask, z, 0.0)
+    return new_max, exp_acc, z_acc
+
+
+@triton.jit
+def finish_tile_stats(exp_acc, z_acc, HAS_SMOOTHING: tl.constexpr, VOCAB_AXIS: tl.constexpr):
+    """(sum of exp(z - max), sum of z) per row: one reduction each, once after the loop."""
+    run_sum = tl.sum(exp_acc, axis=VOCAB_AXIS)
+    logit_sum = tl.zeros_like(run_sum)
+    if HAS_SMOOTHING:
+        logit_sum = tl.sum(z_acc, axis=VOCAB_AXIS)
+    return run_sum, logit_sum
+
+
+@triton.jit
+def load_target_logit(row_ptr, stride_v, target, mask_t, v_begin, v_end, softcap, HAS_SOFTCAP: tl.constexpr):
+    """z at each row's target, read directly (no scan for it) where [v_begin, v_end) holds the
+    target, else 0 (splits merge by a sum); masked, so a bad index is never dereferenced."""
+    held = mask_t & (target >= v_begin) & (target < v_end)
+    x = tl.load(row_ptr + tl.where(held, target, 0).to(tl.int64) * stride_v, mask=held, other=0.0).to(tl.float32)
+    # The same transform as the scanned tiles, so lse and the target's z agree exactly.
+    return tl.where(held, _capped_logits(x, softcap, HAS_SOFTCAP), 0.0)
 
 
 @triton.jit
@@ -258,7 +295,7 @@ def grad_tile(
 def _ce_stats_kernel(
     x_ptr, stride_xt, stride_xv, target_ptr, stats_ptr,
     n_tokens, n_vocab, vocab_per_split, softcap,
-    HAS_SOFTCAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Online max / sum-of-exp over one vocabulary slice for BLOCK_T tokens (one read)."""
     pid_t = tl.program_id(0)
@@ -271,18 +308,16 @@ def _ce_stats_kernel(
     v_begin = pid_s * vocab_per_split
     v_end = tl.minimum(v_begin + vocab_per_split, n_vocab)
 
-    run_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    run_sum = tl.zeros([BLOCK_T], tl.float32)
-    logit_sum = tl.zeros([BLOCK_T], tl.float32)
-    target_logit = tl.zeros([BLOCK_T], tl.float32)
+    target_logit = load_target_logit(row, stride_xv, target, mask_t, v_begin, v_end, softcap, HAS_SOFTCAP)
+    run_max, exp_acc, z_acc = init_tile_stats(BLOCK_T, BLOCK_V, VOCAB_AXIS=1)
     for v0 in range(v_begin, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask = mask_t[:, None] & (offs_v < v_end)[None, :]
         x = tl.load(row[:, None] + offs_v.to(tl.int64)[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
-        hits_target = offs_v[None, :] == target[:, None]
-        run_max, run_sum, logit_sum, target_logit = fold_tile_stats(
-            x, mask, hits_target, run_max, run_sum, logit_sum, target_logit, softcap, HAS_SOFTCAP, VOCAB_AXIS=1
+        run_max, exp_acc, z_acc = fold_tile_stats(
+            x, mask, run_max, exp_acc, z_acc, softcap, HAS_SOFTCAP, HAS_SMOOTHING, VOCAB_AXIS=1
         )
+    run_sum, logit_sum = finish_tile_stats(exp_acc, z_acc, HAS_SMOOTHING, VOCAB_AXIS=1)
     store_split_stats(stats_ptr, pid_s, n_splits, offs_t, mask_t, n_tokens, run_max, run_sum, logit_sum, target_logit)
 
 
@@ -364,18 +399,16 @@ def _ce_fused_kernel(
     target = tl.load(target_ptr + offs_t, mask=mask_t, other=ignore_index)
     x_row = x_ptr + offs_t.to(tl.int64) * stride_xt
 
-    run_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    run_sum = tl.zeros([BLOCK_T], tl.float32)
-    logit_sum = tl.zeros([BLOCK_T], tl.float32)
-    target_logit = tl.zeros([BLOCK_T], tl.float32)
+    target_logit = load_target_logit(x_row, stride_xv, target, mask_t, 0, n_vocab, softcap, HAS_SOFTCAP)
+    run_max, exp_acc, z_acc = init_tile_stats(BLOCK_T, BLOCK_V, VOCAB_AXIS=1)
     for v0 in range(0, n_vocab, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask = mask_t[:, None] & (offs_v < n_vocab)[None, :]
         x = tl.load(x_row[:, None] + offs_v.to(tl.int64)[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
-        hits_target = offs_v[None, :] == target[:, None]
-        run_max, run_sum, logit_sum, target_logit = fold_tile_stats(
-            x, mask, hits_target, run_max, run_sum, logit_sum, target_logit, softcap, HAS_SOFTCAP, VOCAB_AXIS=1
+        run_max, exp_acc, z_acc = fold_tile_stats(
+            x, mask, run_max, exp_acc, z_acc, softcap, HAS_SOFTCAP, HAS_SMOOTHING, VOCAB_AXIS=1
         )
+    run_sum, logit_sum = finish_tile_stats(exp_acc, z_acc, HAS_SMOOTHING, VOCAB_AXIS=1)
     # Rows past n_tokens (never stored) get lse 0, not -inf, so no inf - inf is ever computed.
     lse = tl.where(mask_t, run_max, 0.0) + tl.log(tl.where(mask_t, run_sum, 1.0))
     loss = _token_loss(
@@ -469,8 +502,8 @@ def ce_forward_stats(
     _ce_stats_kernel[grid](
         logits, logits.stride(0), logits.stride(1), target, stats,
         n_tokens, n_vocab, tiling.vocab_per_split, softcap,
-        HAS_SOFTCAP=opts.softcap is not None, BLOCK_T=tiling.block_t, BLOCK_V=tiling.block_v,
-        num_warps=tiling.num_warps,
+        HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0.0,
+        BLOCK_T=tiling.block_t, BLOCK_V=tiling.block_v, num_warps=tiling.num_warps,
     )
     block_t = 16 if is_interpreter() else 128
     ce_finalize_kernel[(triton.cdiv(n_tokens, block_t),)](

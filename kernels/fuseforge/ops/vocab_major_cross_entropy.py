@@ -3,10 +3,10 @@
 Why a kernel of its own: fused_linear_cross_entropy keeps its first block of logits in
 grad_weight's storage as [V, tokens] (so that grad_weight can overwrite rows already used).
 The kernels of ops/cross_entropy.py reduce over the vocabulary every iteration across
-warps, which on this layout ran at ~340 GB/s on an H200 (3.1 ms for 4096 tokens at
-V=128256). Here a tile is [BLOCK_V, BLOCK_T] with 8 contiguous tokens (16 B) per thread and
-the warps side by side along the tokens, so the per-iteration reduction over BLOCK_V never
-leaves the thread: 0.62 ms there (gradient pass: 1.15 -> 0.76 ms).
+warps (then four sums, now the max), which on this layout ran at ~340 GB/s on an H200
+(3.1 ms for 4096 tokens at V=128256). Here a tile is [BLOCK_V, BLOCK_T] with 8 contiguous
+tokens (16 B) per thread and the warps side by side along the tokens, so the per-iteration
+reduction over BLOCK_V never leaves the thread: 0.62 ms there (gradient pass: 1.15 -> 0.76 ms).
 
 Token-major chunks stay on ops/cross_entropy.py, which was faster for them on the H200.
 Only the tile walk is this module's own: the per-tile math (softmax statistics, gradient),
@@ -25,9 +25,12 @@ from fuseforge.ops.cross_entropy import (
     LossOptions,
     VocabSplitTiling,
     ce_finalize_kernel,
+    finish_tile_stats,
     fold_tile_stats,
-    load_grad_coefficients,
     grad_tile,
+    init_tile_stats,
+    load_grad_coefficients,
+    load_target_logit,
     store_split_stats,
 )
 from fuseforge.ops.utils import is_interpreter, num_programs_hint
@@ -37,7 +40,7 @@ from fuseforge.ops.utils import is_interpreter, num_programs_hint
 def _stats_kernel(
     x_ptr, stride_v, target_ptr, stats_ptr,
     n_tokens, n_vocab, vocab_per_split, softcap,
-    HAS_SOFTCAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """Online max / sum of exp over one vocabulary split for BLOCK_T tokens (one read)."""
     pid_t = tl.program_id(0)
@@ -48,19 +51,17 @@ def _stats_kernel(
     v_begin = pid_s * vocab_per_split
     v_end = tl.minimum(v_begin + vocab_per_split, n_vocab)
 
-    run_max = tl.full([BLOCK_T], float("-inf"), tl.float32)
-    run_sum = tl.zeros([BLOCK_T], tl.float32)
-    z_sum = tl.zeros([BLOCK_T], tl.float32)
-    z_target = tl.zeros([BLOCK_T], tl.float32)
+    z_target = load_target_logit(x_ptr + offs_t, stride_v, target, mask_t, v_begin, v_end, softcap, HAS_SOFTCAP)
+    run_max, exp_acc, z_acc = init_tile_stats(BLOCK_T, BLOCK_V, VOCAB_AXIS=0)
     for v0 in range(v_begin, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask = (offs_v < v_end)[:, None] & mask_t[None, :]
         ptrs = x_ptr + offs_v.to(tl.int64)[:, None] * stride_v + offs_t[None, :]
         x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        hits_target = offs_v[:, None] == target[None, :]
-        run_max, run_sum, z_sum, z_target = fold_tile_stats(
-            x, mask, hits_target, run_max, run_sum, z_sum, z_target, softcap, HAS_SOFTCAP, VOCAB_AXIS=0
+        run_max, exp_acc, z_acc = fold_tile_stats(
+            x, mask, run_max, exp_acc, z_acc, softcap, HAS_SOFTCAP, HAS_SMOOTHING, VOCAB_AXIS=0
         )
+    run_sum, z_sum = finish_tile_stats(exp_acc, z_acc, HAS_SMOOTHING, VOCAB_AXIS=0)
     store_split_stats(stats_ptr, pid_s, tl.num_programs(1), offs_t, mask_t, n_tokens, run_max, run_sum, z_sum, z_target)
 
 
@@ -128,8 +129,8 @@ def vocab_major_loss_and_lse(logits_t: torch.Tensor, target: torch.Tensor, opts:
     _stats_kernel[(triton.cdiv(n_tokens, tiling.block_t), tiling.n_splits)](
         logits_t, logits_t.stride(0), target, stats,
         n_tokens, n_vocab, tiling.vocab_per_split, opts.softcap if opts.softcap is not None else 1.0,
-        HAS_SOFTCAP=opts.softcap is not None, BLOCK_T=tiling.block_t, BLOCK_V=tiling.block_v,
-        num_warps=tiling.num_warps,
+        HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0.0,
+        BLOCK_T=tiling.block_t, BLOCK_V=tiling.block_v, num_warps=tiling.num_warps,
     )
     block_s = triton.next_power_of_2(tiling.n_splits)
     block_t = 16 if is_interpreter() else max(1, min(128, 4096 // block_s))
