@@ -144,10 +144,8 @@ def fwd_bwd(forward: Callable[[], torch.Tensor | tuple], leaves: list[torch.Tens
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
         if upstream is None:  # seeded: every implementation of a case gets the same upstream gradients
             gen = torch.Generator(outs[0].device).manual_seed(1234)
-            upstream = [
-                torch.ones_like(o) if o.numel() == 1 else torch.randn(o.shape, generator=gen, device=o.device).to(o.dtype)
-                for o in outs
-            ]
+            # empty_like keeps each output's strides (e.g. RoPE's transposed views), as a model's backward would.
+            upstream = [torch.ones_like(o) if o.numel() == 1 else torch.empty_like(o).normal_(generator=gen) for o in outs]
         torch.autograd.backward(outs, upstream)
 
     return run
