@@ -51,15 +51,19 @@ from fuseforge.ops.utils import (
 # sum of z (label smoothing) and the target's logit (0 unless the split holds it).
 N_STATS = 4
 
-# Switch: compute the gradient in forward, with one launch, where that is possible (see
-# _CrossEntropyFunction). Read at call time; False gives the split path everywhere.
-GRAD_IN_FORWARD = True
+# Switch: compute cross_entropy()'s gradient in forward, with one launch, where that is possible
+# (see _CrossEntropyFunction). Read at call time. Off by default: once the statistics loop did one
+# reduction per tile, the split kernels took the same GPU time on the H200 (8192 x 128256 bf16:
+# 1.72 ms vs 1.69 ms) without the host sync the one-launch path needs in backward (do_bench
+# 2.19 ms vs 2.36 ms; benchmarks/RESULTS.md). fused_linear_cross_entropy's chunks, whose gradient
+# is needed in forward anyway, use the one-launch kernel (FUSED_CHUNK_CE there).
+GRAD_IN_FORWARD = False
 
 # GPU launch of the one-launch kernel (one row per program), by row count. Read at call time,
 # so that benchmarks/tune.py can sweep them. Measured on the H200 (benchmarks/RESULTS.md):
 # a fused-linear chunk (256 x 128256) is fastest with few wide programs (8192 / 16 warps:
 # 108 us of kernels per step vs 128 us at 4096 / 8), a full batch (8192 x 128256) with many
-# narrow ones (4096 / 8 warps: 1.92 ms vs 2.40 ms).
+# narrow ones (4096 / 8 warps: 1.69 ms; 2048 / 4: 1.65 ms; 8192 / 16: 1.94 ms).
 _GPU_FUSED_BLOCK_V = 8192
 _GPU_FUSED_NUM_WARPS = 16
 _GPU_FUSED_MANY_ROWS = 4096  # from this many rows on, use the narrow launch below
@@ -700,14 +704,14 @@ def cross_entropy(
     replaces the logits by softcap * tanh(logits / softcap) first (Gemma 2). Both are
     differentiated through.
 
-    When the logits need a gradient and reduction is "mean" or "sum", the gradient is
-    computed during this call, in one kernel with the loss (one read of the logits from HBM
-    instead of two), and held until backward, which only multiplies it by grad_output (one
-    host sync, none when capturing a CUDA graph). reduction="none", vocab-major views and
-    fuseforge.ops.cross_entropy.GRAD_IN_FORWARD = False compute it in backward instead.
+    The gradient is computed in backward, already multiplied by grad_output (no host sync).
+    With fuseforge.ops.cross_entropy.GRAD_IN_FORWARD = True, when the logits need a gradient
+    and reduction is "mean" or "sum", it is computed during this call instead, in one kernel
+    with the loss, and backward only multiplies it by grad_output (one host sync; none when
+    capturing a CUDA graph).
 
     inplace_grad=True writes the gradient into the logits' own buffer (saves one [N, V]
-    allocation): during this call when the gradient is computed here, else during backward.
+    allocation): during backward, or during this call when the gradient is computed here.
     Opt in only when nothing reads the logits after the loss call; any autograd node that
     saved them then raises instead of silently using the gradient. Ignored for leaf tensors
     (their .grad must not alias their data).
