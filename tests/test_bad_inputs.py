@@ -422,6 +422,19 @@ TRANSFORMERS_CASES = [
          "apply_kernels_to_llama expects .*got None"),
     case("patched-model-labels-outside-vocab", _labels_outside_vocab, ValueError,
          rf"target holds class index {VOCAB}, outside \[0, {VOCAB}\)"),
+    case("apply_kernels-loss-chunk-size-zero", lambda c: _apply(c, loss_chunk_size=0), ValueError,
+         "loss_chunk_size must be a positive int .*got 0"),
+    case("apply_kernels-loss-chunk-size-negative", lambda c: _apply(c, loss_chunk_size=-1), ValueError,
+         "loss_chunk_size must be a positive int .*got -1"),
+    case("apply_kernels-loss-chunk-size-float", lambda c: _apply(c, loss_chunk_size=2.5), TypeError,
+         r"loss_chunk_size must be a positive int .*got 2\.5 \(float\)"),
+    case("apply_kernels-loss-chunk-size-bool", lambda c: _apply(c, loss_chunk_size=True), TypeError,
+         r"loss_chunk_size must be a positive int .*got True \(bool\)"),
+    case("apply_kernels-loss-chunk-size-str", lambda c: _apply(c, loss_chunk_size="8"), TypeError,
+         r"loss_chunk_size must be a positive int .*got '8' \(str\)"),
+    case("apply_kernels-loss-chunk-size-without-fused-loss",
+         lambda c: _apply(c, fused_linear_cross_entropy=False, loss_chunk_size=8), ValueError,
+         "loss_chunk_size=8 sizes the chunks of the fused loss head, but fused_linear_cross_entropy=False"),
 ]
 
 

@@ -1,5 +1,6 @@
 """The patching machinery: in-place swaps, exact unpatch, idempotence, class-level and Auto
-patching, RoPE scoping, unknown model types, flag validation, save/load round trips."""
+patching, RoPE scoping, unknown model types, flag validation, the fused loss's chunk size
+(loss_chunk_size), save/load round trips."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from test_transformers_tiny_models import (  # noqa: E402
 )
 
 import fuseforge.transformers as ff  # noqa: E402
+from fuseforge.transformers import loss as loss_patch  # noqa: E402
 from fuseforge.transformers import rope as rope_patch  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
@@ -329,3 +331,84 @@ def test_rope_global_is_restored_when_the_last_patched_model_is_collected():
     del model
     gc.collect()
     assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_LLAMA_ROPE
+
+
+# --- loss_chunk_size: tokens per chunk of the fused loss head -----------------------------------
+
+
+@pytest.fixture
+def flce_chunk_sizes(monkeypatch):
+    """The chunk_size of every fused linear cross-entropy call the patched loss path makes."""
+    seen = []
+    original = loss_patch.fused_linear_cross_entropy
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("chunk_size", "not passed"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loss_patch, "fused_linear_cross_entropy", spy)
+    return seen
+
+
+def _loss_chunk_size(model):
+    return getattr(model, loss_patch.LOSS_SPEC_ATTR).chunk_size
+
+
+def test_loss_chunk_size_reaches_the_fused_loss_per_model(flce_chunk_sizes):
+    ref = tiny_model("llama")
+    batch = synthetic_batches(1)[0]
+    assert (batch["labels"] != -100).sum() > 3 * 4  # several chunks of 4 tokens
+    expected_loss, expected_grads, _ = _outputs(ref, batch)
+    default, chunked = copy.deepcopy(ref), copy.deepcopy(ref)
+    default_report = ff.apply_kernels(default)
+    report = ff.apply_kernels(chunked, loss_chunk_size=4)  # two models, two chunk sizes, one process
+    assert report.loss_chunk_size == 4 and "4 tokens per chunk (loss_chunk_size)" in str(report)
+    assert default_report.loss_chunk_size is None and "tokens per chunk" not in str(default_report)
+    try:
+        for model, chunk_size in ((chunked, 4), (default, None)):
+            flce_chunk_sizes.clear()
+            loss, grads, _ = _outputs(model, batch)
+            assert flce_chunk_sizes == [chunk_size]
+            assert_close(loss, expected_loss, FP32)
+            for name, grad in grads.items():
+                assert_close(grad, expected_grads[name], FP32, msg=f"grad of {name} (loss_chunk_size={chunk_size})")
+    finally:
+        ff.unpatch(default)
+        ff.unpatch(chunked)
+
+
+def test_loss_chunk_size_is_carried_by_class_patches_and_changed_by_repatching():
+    config = tiny_config("llama")
+    cls = transformers.LlamaForCausalLM
+    ff.apply_kernels(cls, rope=False, loss_chunk_size=8)
+    try:
+        class_report = ff.apply_kernels(cls, rope=False, loss_chunk_size=16)  # the class patch is updated
+        assert class_report.loss_chunk_size == 16
+        with pytest.raises(ValueError, match="loss_chunk_size"):
+            ff.apply_kernels(cls, loss_chunk_size=0)
+        assert ff.get_patch_report(cls).loss_chunk_size == 16  # a rejected call changes nothing
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    finally:
+        ff.unpatch(cls)
+    assert _loss_chunk_size(model) == 16 and ff.get_patch_report(model).loss_chunk_size == 16
+
+    first = ff.get_patch_report(model)
+    assert ff.apply_kernels(model, rope=False, loss_chunk_size=16) is first  # same options: no-op
+    assert ff.apply_kernels(model, rope=False, loss_chunk_size=32) is not first
+    assert _loss_chunk_size(model) == 32
+    with pytest.raises(TypeError, match="loss_chunk_size"):
+        ff.apply_kernels(model, loss_chunk_size=2.5)
+    assert _loss_chunk_size(model) == 32  # validated before the old patch is undone
+    with ff.patched(model, loss_chunk_size=64):
+        assert _loss_chunk_size(model) == 64
+    assert _loss_chunk_size(model) == 32  # the outer patch is back, with its chunk size
+    assert ff.apply_kernels(model).loss_chunk_size is None and _loss_chunk_size(model) is None
+    ff.unpatch(model)
+    assert not [a for a in model.__dict__ if a.startswith("_fuseforge")]
+
+    assert ff.apply_kernels_to_llama(model, loss_chunk_size=24).loss_chunk_size == 24
+    assert _loss_chunk_size(model) == 24
+    ff.unpatch(model)
+    auto = ff.AutoFusedModelForCausalLM.from_config(config, loss_chunk_size=40)
+    assert _loss_chunk_size(auto) == 40 and ff.get_patch_report(auto).loss_chunk_size == 40
+    ff.unpatch(auto)

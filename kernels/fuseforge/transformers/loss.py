@@ -40,10 +40,12 @@ LOSS_SPEC_ATTR = "_fuseforge_loss"  # where a patched causal LM keeps its LossSp
 
 @dataclass(frozen=True)
 class LossSpec:
-    """Per-family facts the fused forward needs (see families.Family)."""
+    """Per-model facts the fused forward needs: the family's (see families.Family) and the
+    user's tokens per loss chunk (None: the op's default rule)."""
 
     logit_softcap_attr: str | None = None
     router_aux_loss: bool = False
+    chunk_size: int | None = None
 
 
 @dataclass
@@ -54,6 +56,7 @@ class _LossRequest:
     ignore_index: int
     num_items_in_batch: torch.Tensor | int | None
     softcap: float | None
+    chunk_size: int | None
     loss: torch.Tensor | None = None
 
 
@@ -94,6 +97,7 @@ def _loss_from_hidden(hidden: torch.Tensor, head: nn.Linear, request: _LossReque
         ignore_index=request.ignore_index,
         softcap=request.softcap,
         num_items_in_batch=request.num_items_in_batch,
+        chunk_size=request.chunk_size,
     )
 
 
@@ -188,6 +192,7 @@ def _fused_forward(self, original, args: tuple, kwargs: dict):
         ignore_index=kwargs.get("ignore_index", -100),
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         softcap=softcap,
+        chunk_size=spec.chunk_size,
     )
     token = _PENDING.set(request)
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import numbers
 import types
 import warnings
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ _CLASS_ATTR = "_fuseforge_class_patch"
 class _State:
     """Everything a patch changed on one model, for unpatch."""
 
-    flags: dict
+    options: dict  # apply_kernels' keyword arguments: kernel flags and loss_chunk_size
     report: PatchReport
     swapped: list = field(default_factory=list)  # modules whose class we swapped
     rope_users: list = field(default_factory=list)  # (attention module, modeling module name)
@@ -59,6 +60,38 @@ def _check_flags(flags: dict) -> dict:
     return dict(flags)
 
 
+def _check_loss_chunk_size(loss_chunk_size, fused_linear_cross_entropy: bool) -> int | None:
+    """None (the op's default rule) or a positive int of tokens; only the fused loss head has chunks."""
+    if loss_chunk_size is None:
+        return None
+    if isinstance(loss_chunk_size, bool) or not isinstance(loss_chunk_size, numbers.Integral):
+        raise TypeError(
+            "loss_chunk_size must be a positive int (tokens per fused-loss chunk) or None, "
+            f"got {loss_chunk_size!r} ({type(loss_chunk_size).__name__})"
+        )
+    if loss_chunk_size < 1:
+        raise ValueError(
+            f"loss_chunk_size must be a positive int (tokens per fused-loss chunk) or None, got {loss_chunk_size}"
+        )
+    if not fused_linear_cross_entropy:
+        raise ValueError(
+            f"loss_chunk_size={loss_chunk_size} sizes the chunks of the fused loss head, but "
+            "fused_linear_cross_entropy=False turns that head off: drop one of the two"
+        )
+    return int(loss_chunk_size)
+
+
+def _new_report(target: str, model_type: str | None, family: Family | None, options: dict) -> PatchReport:
+    flags = {name: value for name, value in options.items() if name != "loss_chunk_size"}
+    return PatchReport(
+        target=target,
+        model_type=model_type,
+        family=family and family.name,
+        flags=flags,
+        loss_chunk_size=options["loss_chunk_size"],
+    )
+
+
 def _model_type(model_or_class) -> str | None:
     config = getattr(model_or_class, "config", None)
     if config is None or isinstance(model_or_class, type):
@@ -69,13 +102,13 @@ def _model_type(model_or_class) -> str | None:
 # --- instances ---------------------------------------------------------------------------------
 
 
-def _patch_leaves(model: nn.Module, flags: dict, state: _State) -> None:
+def _patch_leaves(model: nn.Module, options: dict, state: _State) -> None:
     report = state.report
     for module in model.modules():
         if is_fused(module):
             continue
         decision = plan(module)
-        if decision is None or not flags[decision.kernel]:
+        if decision is None or not options[decision.kernel]:
             continue
         if decision.reason is not None:
             report.add_skipped(decision.kernel, decision.reason)
@@ -114,9 +147,9 @@ def _causal_lms(model: nn.Module, family: Family | None) -> list[nn.Module]:
     return [m for m in model.modules() if cls is not None and isinstance(m, cls)]
 
 
-def _patch_losses(model: nn.Module, family: Family | None, flags: dict, state: _State) -> None:
+def _patch_losses(model: nn.Module, family: Family | None, options: dict, state: _State) -> None:
     report = state.report
-    wanted = [k for k in ("fused_linear_cross_entropy", "cross_entropy") if flags[k]]
+    wanted = [k for k in ("fused_linear_cross_entropy", "cross_entropy") if options[k]]
     if not wanted:
         return
     if family is None:
@@ -136,11 +169,11 @@ def _patch_losses(model: nn.Module, family: Family | None, flags: dict, state: _
             for kernel in wanted:
                 report.add_skipped(kernel, f"{name} has a custom loss_function; it is left in charge")
             continue
-        if flags["cross_entropy"]:
+        if options["cross_entropy"]:
             state.loss_functions.append((lm, lm.__dict__.get("_loss_function", _MISSING)))
             lm.loss_function = causal_lm_loss
             report.add_patched("cross_entropy", f"{name}.loss_function")
-        if flags["fused_linear_cross_entropy"]:
+        if options["fused_linear_cross_entropy"]:
             head = getattr(lm, "lm_head", None)
             if type(head) is not nn.Linear:
                 report.add_skipped(
@@ -151,7 +184,8 @@ def _patch_losses(model: nn.Module, family: Family | None, flags: dict, state: _
             if "forward" in lm.__dict__:
                 report.add_skipped("fused_linear_cross_entropy", f"{name}: forward overridden on the instance")
                 continue
-            setattr(lm, LOSS_SPEC_ATTR, LossSpec(family.logit_softcap_attr, family.router_aux_loss))
+            spec = LossSpec(family.logit_softcap_attr, family.router_aux_loss, options["loss_chunk_size"])
+            setattr(lm, LOSS_SPEC_ATTR, spec)
             lm.forward = types.MethodType(fused_forward_for(type(lm)), lm)
             swap(head, FusedLossHeadMixin)
             state.swapped.append(head)
@@ -159,18 +193,16 @@ def _patch_losses(model: nn.Module, family: Family | None, flags: dict, state: _
             report.add_patched("fused_linear_cross_entropy", f"{name} (lm_head)")
 
 
-def _patch_instance(model: nn.Module, flags: dict) -> PatchReport:
+def _patch_instance(model: nn.Module, options: dict) -> PatchReport:
     model_type = _model_type(model)
     family = family_for_model_type(model_type)
-    report = PatchReport(
-        target=type(model).__name__, model_type=model_type, family=family and family.name, flags=dict(flags)
-    )
-    state = _State(flags=dict(flags), report=report)
+    report = _new_report(type(model).__name__, model_type, family, options)
+    state = _State(options=dict(options), report=report)
     try:
-        _patch_leaves(model, flags, state)
-        if flags["rope"]:
+        _patch_leaves(model, options, state)
+        if options["rope"]:
             _patch_rope(model, state)
-        _patch_losses(model, family, flags, state)
+        _patch_losses(model, family, options, state)
     except BaseException:
         _undo(state)
         raise
@@ -203,30 +235,27 @@ def _undo(state: _State) -> None:
 @dataclass
 class _ClassPatch:
     original_init: object  # the class's own __init__, or _MISSING when it inherited one
-    flags: dict
+    options: dict  # what each new instance is patched with
     report: PatchReport
 
 
-def _patch_class(cls: type, flags: dict) -> PatchReport:
-    existing = cls.__dict__.get(_CLASS_ATTR)
-    if existing is not None:
-        existing.flags.clear()
-        existing.flags.update(flags)
-        existing.report.flags = dict(flags)
-        return existing.report
+def _patch_class(cls: type, options: dict) -> PatchReport:
     model_type = _model_type(cls)
     family = family_for_model_type(model_type)
-    report = PatchReport(
-        target=f"class {cls.__name__}", model_type=model_type, family=family and family.name, flags=dict(flags)
-    )
+    report = _new_report(f"class {cls.__name__}", model_type, family, options)
+    existing = cls.__dict__.get(_CLASS_ATTR)
+    if existing is not None:
+        existing.options = dict(options)
+        existing.report.flags, existing.report.loss_chunk_size = report.flags, report.loss_chunk_size
+        return existing.report
     report.notes.append("instances created from now on are patched at construction (see get_patch_report)")
     inherited_init = cls.__init__
-    patch = _ClassPatch(cls.__dict__.get("__init__", _MISSING), dict(flags), report)
+    patch = _ClassPatch(cls.__dict__.get("__init__", _MISSING), dict(options), report)
 
     @functools.wraps(inherited_init)
     def __init__(self, *args, **kwargs):
         inherited_init(self, *args, **kwargs)
-        apply_kernels(self, **patch.flags)
+        apply_kernels(self, **patch.options)
 
     cls.__init__ = __init__
     setattr(cls, _CLASS_ATTR, patch)
@@ -260,6 +289,7 @@ def apply_kernels(
     fused_linear_cross_entropy: bool = True,
     cross_entropy: bool = False,
     layer_norm: bool = True,
+    loss_chunk_size: int | None = None,
 ) -> PatchReport:
     """Swap fuseforge's fused kernels into a Hugging Face model (instance) or model class.
 
@@ -267,8 +297,12 @@ def apply_kernels(
     fused_linear_cross_entropy (training loss without logits), cross_entropy (the loss
     when logits are computed).
 
+    loss_chunk_size: tokens per chunk of the fused loss head (None: the op's default,
+    64 MiB of logits or the size of the hidden states, at least 256 tokens). Bigger
+    chunks trade peak memory for speed: each chunk re-reads the whole lm_head gradient.
+
     On an instance, already-loaded weights are kept: modules change class, not
-    parameters. Patching again with the same flags is a no-op; with other flags the
+    parameters. Patching again with the same options is a no-op; with other options the
     previous patch is undone first. A RoPE patch swaps the family's module-global
     `apply_rotary_pos_emb` for a dispatcher that only runs the fused kernel inside
     patched models; `unpatch` restores it once no patched model uses it.
@@ -291,29 +325,32 @@ def apply_kernels(
             cross_entropy=cross_entropy,
         )
     )
+    options = {**flags, "loss_chunk_size": _check_loss_chunk_size(loss_chunk_size, fused_linear_cross_entropy)}
     if isinstance(model_or_class, type):
         if not issubclass(model_or_class, nn.Module):
             raise TypeError(f"model_or_class must be an nn.Module or an nn.Module class, got {model_or_class!r}")
-        return _patch_class(model_or_class, flags)
+        return _patch_class(model_or_class, options)
     if not isinstance(model_or_class, nn.Module):
         raise TypeError(
             f"model_or_class must be an nn.Module or an nn.Module class, got {type(model_or_class).__name__}"
         )
     state = model_or_class.__dict__.get(_STATE_ATTR)
     if state is not None:
-        if state.flags == flags:
+        if state.options == options:
             return state.report
         unpatch(model_or_class)
-    return _patch_instance(model_or_class, flags)
+    return _patch_instance(model_or_class, options)
 
 
-DEFAULT_FLAGS = types.MappingProxyType(
+# Every keyword argument of apply_kernels with its default, and the kernel on/off flags among them.
+DEFAULT_OPTIONS = types.MappingProxyType(
     {
         name: param.default
         for name, param in inspect.signature(apply_kernels).parameters.items()
         if param.kind is inspect.Parameter.KEYWORD_ONLY
     }
 )
+DEFAULT_FLAGS = types.MappingProxyType({name: v for name, v in DEFAULT_OPTIONS.items() if isinstance(v, bool)})
 
 
 def unpatch(model_or_class) -> bool:
@@ -327,10 +364,14 @@ def unpatch(model_or_class) -> bool:
     return True
 
 
+def _applied(model_or_class) -> _State | _ClassPatch | None:
+    holder = _CLASS_ATTR if isinstance(model_or_class, type) else _STATE_ATTR
+    return getattr(model_or_class, "__dict__", {}).get(holder)
+
+
 def get_patch_report(model_or_class) -> PatchReport | None:
     """The report of the patch currently applied to a model or class, or None."""
-    holder = _CLASS_ATTR if isinstance(model_or_class, type) else _STATE_ATTR
-    state = getattr(model_or_class, "__dict__", {}).get(holder)
+    state = _applied(model_or_class)
     return None if state is None else state.report
 
 
@@ -339,28 +380,28 @@ def is_patched(model_or_class) -> bool:
 
 
 @contextlib.contextmanager
-def patched(model_or_class, **flags):
+def patched(model_or_class, **options):
     """Patch for the duration of a `with` block, then restore what was there before."""
-    previous = get_patch_report(model_or_class)
-    previous_flags = None if previous is None else dict(previous.flags)
-    report = apply_kernels(model_or_class, **flags)
+    previous = _applied(model_or_class)
+    previous_options = None if previous is None else dict(previous.options)
+    report = apply_kernels(model_or_class, **options)
     try:
         yield report
     finally:
         unpatch(model_or_class)
-        if previous_flags is not None:
-            apply_kernels(model_or_class, **previous_flags)
+        if previous_options is not None:
+            apply_kernels(model_or_class, **previous_options)
 
 
 def _family_function(family: Family):
-    def apply(model_or_class, **flags) -> PatchReport:
+    def apply(model_or_class, **options) -> PatchReport:
         model_type = _model_type(model_or_class)
         if model_type not in family.model_types:
             raise ValueError(
                 f"apply_kernels_to_{family.name} expects a model with config.model_type in "
                 f"{family.model_types}, got {model_type!r}; use apply_kernels for dispatch by model type"
             )
-        return apply_kernels(model_or_class, **flags)
+        return apply_kernels(model_or_class, **options)
 
     apply.__name__ = apply.__qualname__ = f"apply_kernels_to_{family.name}"
     apply.__doc__ = (

@@ -23,6 +23,7 @@ class PatchReport:
     model_type: str | None
     family: str | None
     flags: dict[str, bool]
+    loss_chunk_size: int | None = None  # tokens per fused-loss chunk; None: the op's default rule
     patched: dict[str, Counter] = field(default_factory=dict)
     skipped: dict[str, list[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -61,6 +62,8 @@ class PatchReport:
                 lines.append(f"  {kernel}: NOT patched: {reason}")
             if not done and not self.skipped.get(kernel):
                 lines.append(f"  {kernel}: nothing to patch")
+            if kernel == "fused_linear_cross_entropy" and self.loss_chunk_size is not None:
+                lines.append(f"  {kernel}: {self.loss_chunk_size} tokens per chunk (loss_chunk_size)")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
 
