@@ -1,6 +1,6 @@
 """Launch-constant sweep for the per-op kernels, in one process on the GPU.
 
-    python benchmarks/tune.py [--op rms_norm ...] [--profile]
+    python benchmarks/tune.py [--op rms_norm ...] [--shape 2048,16384] [--profile]
 
 For each op at its headline shape (benchmarks/run.py; EXTRA_CASES for shapes run.py
 has no entry for), every variant of the module constants below is patched in, compiled,
@@ -149,11 +149,15 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--op", action="append", choices=sorted(GRIDS))
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--shape", help="comma-separated shape instead of each op's headline one, e.g. 2048,16384 "
+                   "(the sizes where the s2-4 sweep found fuseforge behind torch.compile)")
     args = p.parse_args()
     torch._dynamo.config.cache_size_limit = 256
     summary = []
     for op in args.op or list(GRIDS):
         builder, shape = builder_and_shape(op)
+        if args.shape:
+            shape = tuple(int(n) for n in args.shape.split(","))
         torch.manual_seed(0)
         case = builder(*shape, torch.bfloat16, "cuda")
         ref = grads_of(case, "eager")

@@ -474,6 +474,8 @@ CONFIG_CASES = [
     case("unknown-model", lambda c: _load(c, '[training]\nmodel = "gpt-9"'), ConfigError, r"\[training\]\.model: unknown model 'gpt-9'"),
     case("missing-dataset", lambda c: _load(c, '[training]\ndataset = "/no/such/corpus.txt"'), ConfigError, r"\[training\]\.dataset: dataset file not found: '/no/such/corpus.txt'"),
     case("bad-dtype", lambda c: _load(c, '[training]\ndtype = "fp64"'), ConfigError, r"\[training\]\.dtype: 'fp64' is not one of"),
+    case("negative-loss_chunk_size", lambda c: _load(c, "[training]\nloss_chunk_size = -1"), ConfigError, r"platform\.toml: \[training\]\.loss_chunk_size must be a finite value >= 0, got -1"),
+    case("env-override-loss_chunk_size-str", lambda c: _load(c, env={"FUSEFORGE__TRAINING__LOSS_CHUNK_SIZE": "big"}), ConfigError, r'environment variable FUSEFORGE__TRAINING__LOSS_CHUNK_SIZE: \[training\]\.loss_chunk_size must be an integer, got "big"'),
     case("checkpoint-every-without-dir", lambda c: _load(c, "[checkpoint]\nevery = 5"), ConfigError, r"\[checkpoint\]\.every > 0 needs \[checkpoint\]\.dir"),
     case("nproc-over-gpus", lambda c: _load(c, "[cluster]\ngpus = 2\n[elastic]\nnproc_per_node = 4"), ConfigError, r"\[elastic\]\.nproc_per_node \(4\) must be <= \[cluster\]\.gpus \(2\)"),
     case("invalid-toml", lambda c: load_config(c.write("[cluster\ngpus = 1"), env={}), ConfigError, r"platform\.toml: invalid TOML"),
@@ -544,6 +546,8 @@ TRAIN_CASES = [
     case("spec-steps-bool", lambda c: _spec(steps=True), TypeError, "TrainSpec.steps must be int, got True"),
     case("spec-checkpoint-every-without-dir", lambda c: _spec(checkpoint_every=5), ValueError, "TrainSpec.checkpoint_every > 0 needs TrainSpec.checkpoint_dir"),
     case("spec-fsdp-fp16", lambda c: _spec(strategy="fsdp", dtype="fp16"), ValueError, "TrainSpec.dtype='fp16' is not supported with strategy='fsdp'"),
+    case("spec-negative-loss_chunk_size", lambda c: _spec(loss_chunk_size=-1), ValueError, "TrainSpec.loss_chunk_size must be a finite value >= 0, got -1"),
+    case("spec-loss_chunk_size-float", lambda c: _spec(loss_chunk_size=1024.0), TypeError, "TrainSpec.loss_chunk_size must be int, got 1024.0"),
     # the Flyte workflows, run locally: rejected before any worker process starts
     case("workflow-train-negative-steps", lambda c: _workflow("train", steps=-1), ValueError, "TrainSpec.steps must be >= 1, got -1"),
     case("workflow-train-zero-batch", lambda c: _workflow("train", batch_size=0), ValueError, "TrainSpec.batch_size must be >= 1, got 0"),
@@ -551,6 +555,8 @@ TRAIN_CASES = [
     case("workflow-train-unknown-model", lambda c: _workflow("train", model="gpt-9"), ValueError, "TrainSpec.model: unknown model 'gpt-9'"),
     case("workflow-train-steps-str", lambda c: _workflow("train", steps="ten"), TypeError, "Failed argument 'steps'"),
     case("workflow-compare-unknown-strategy", lambda c: _workflow("compare", strategy="horovod"), ValueError, "TrainSpec.strategy: 'horovod' is not one of"),
+    case("workflow-train-negative-loss_chunk_size", lambda c: _workflow("train", loss_chunk_size=-1), ValueError, "TrainSpec.loss_chunk_size must be a finite value >= 0, got -1"),
+    case("workflow-compare-negative-loss_chunk_size", lambda c: _workflow("compare", loss_chunk_size=-1), ValueError, "TrainSpec.loss_chunk_size must be a finite value >= 0, got -1"),
     # datasets the spec cannot check up front (contents, vocabulary)
     case("data-vocab-mismatch", lambda c: _dataset(c, "builtin:text", vocab_size=100), ValueError, r"TrainSpec.dataset: 'builtin:text' uses the byte tokenizer \(vocabulary \d+\) but the model's vocab_size is 100"),
     case("data-empty-file", lambda c: _dataset(c, "empty.txt", "\n\n  \n"), ValueError, "TrainSpec.dataset: .*empty.txt' contains no text"),

@@ -68,6 +68,7 @@ def test_good_file_gives_typed_values(tmp_path):
         steps = 50
         lr = 1
         strategy = "fsdp"
+        loss_chunk_size = 2048
         [checkpoint]
         dir = "s3://bucket/ckpt"
         every = 10
@@ -81,6 +82,7 @@ def test_good_file_gives_typed_values(tmp_path):
     assert config.elastic.nnodes == 2
     spec = config.train_spec(seed=7)
     assert (spec.steps, spec.lr, spec.strategy, spec.seed) == (50, 1.0, "fsdp", 7)
+    assert spec.loss_chunk_size == 2048 and load_config(env={}).train_spec().loss_chunk_size == 0
     assert isinstance(spec.lr, float)
     assert (spec.checkpoint_dir, spec.checkpoint_every) == ("s3://bucket/ckpt", 10)
     assert load_config(path, env={}).train_spec().checkpoint_dir == "s3://bucket/ckpt"
@@ -103,6 +105,8 @@ FLYTE = '[flyte]\nproject = "ml"\ndomain = "production"\n'
         ('[flyte]\ninsecure = "yes"', '[flyte].insecure must be true or false, got "yes"'),
         ('[training]\nsteps = "many"', '[training].steps must be an integer, got "many"'),
         ('[training]\nstrategy = "horovod"', "[training].strategy: 'horovod' is not one of"),
+        ("[training]\nloss_chunk_size = 512.0", "[training].loss_chunk_size must be an integer, got 512.0"),
+        ("[training]\nloss_chunk_size = -1", "[training].loss_chunk_size must be a finite value >= 0, got -1"),
         ("[checkpoint]\nevery = 5", "[checkpoint].every > 0 needs [checkpoint].dir"),
     ],
 )
@@ -175,13 +179,14 @@ def test_env_override_is_typed_and_named_in_errors(tmp_path):
         "FUSEFORGE__IMAGE__PYTHON_VERSION": "3.11",  # a string key: not read as the float 3.11
         "FUSEFORGE__CLUSTER__NODE_SELECTOR": '{ pool = "h200" }',
         "FUSEFORGE__TRAINING__KERNELS": "false",
+        "FUSEFORGE__TRAINING__LOSS_CHUNK_SIZE": "4096",
     }
     config = load_config(path, env=env)
     assert (config.cluster.gpus, config.elastic.nproc_per_node) == (4, 4)
     assert config.image.python_version == "3.11"
     assert config.cluster.node_selector == {"pool": "h200"}
-    assert config.training.kernels is False
-    assert "5 override(s)" in config.source
+    assert config.training.kernels is False and config.training.loss_chunk_size == 4096
+    assert "6 override(s)" in config.source
 
     bad = error_of(path, {"FUSEFORGE__CLUSTER__GPUS": "two"})
     assert bad == 'environment variable FUSEFORGE__CLUSTER__GPUS: [cluster].gpus must be an integer >= 0, got "two"'

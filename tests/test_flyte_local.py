@@ -89,7 +89,7 @@ def test_registered_multi_node_task_runs_as_one_local_node(tmp_path, monkeypatch
 def test_train_workflow_end_to_end():
     assert CONFIG.elastic.local_nproc_per_node == 2
     start = time.time()
-    metrics = train(kernels=True, **TINY)
+    metrics = train(kernels=True, loss_chunk_size=32, **TINY)  # 2 x 31 targets per worker: 2 loss chunks
     assert_real_run(metrics, kernels=True)
     decks = [d for d in decks_written_since(start) if "Training metrics" in d]
     assert decks, "no deck.html with the training metrics was written"

@@ -75,6 +75,28 @@ def test_kernels_patch_the_model_and_match_the_unfused_run():
     torch.testing.assert_close(fused.loss_curve, plain.loss_curve, rtol=1e-4, atol=1e-4)
 
 
+def test_loss_chunk_size_reaches_apply_kernels_and_trains_the_same(monkeypatch):
+    import fuseforge.transformers as hf
+    from fuseforge_flyte.training.engine import _apply_kernels
+
+    real, seen = hf.apply_kernels, []
+
+    def spy(model, **kwargs):
+        report = real(model, **kwargs)
+        seen.append((kwargs, report.loss_chunk_size))
+        return report
+
+    monkeypatch.setattr(hf, "apply_kernels", spy)
+    spec = dict(TINY, steps=2, lr=3e-3, loss_chunk_size=48)  # 4 x 31 targets: 3 chunks, the last one ragged
+    chunked = train(TrainSpec(**{**spec, "kernels": True}))
+    assert seen == [({"loss_chunk_size": 48}, 48)]
+    plain = train(TrainSpec(**spec))  # without kernels the chunk size is unused
+    assert len(seen) == 1 and plain.kernels_patched == []
+    torch.testing.assert_close(chunked.loss_curve, plain.loss_curve, rtol=1e-4, atol=1e-4)
+    _apply_kernels(build_model("tiny-llama", seed=0, device="cpu"), 0, log_it=False)
+    assert seen[-1] == ({"loss_chunk_size": None}, None)  # 0 = fuseforge's default rule
+
+
 def test_gradient_checkpointing_recomputes_the_same_numbers():
     spec = dict(TINY, steps=3, lr=3e-3)
     ckpt, plain = train(TrainSpec(gradient_checkpointing=True, **spec)), train(TrainSpec(**spec))
@@ -256,6 +278,7 @@ def test_dataset_errors_name_the_problem(tmp_path):
     ("grad_clip", float("inf"), "TrainSpec.grad_clip"),
     ("warmup_steps", -2, "TrainSpec.warmup_steps"),
     ("keep_last", 0, "TrainSpec.keep_last"),
+    ("loss_chunk_size", -1, "TrainSpec.loss_chunk_size must be a finite value >= 0, got -1"),
     ("strategy", "horovod", r"TrainSpec.strategy: 'horovod' is not one of \['ddp', 'fsdp', 'deepspeed'\]"),
     ("dtype", "fp64", "TrainSpec.dtype"),
     ("zero_stage", 4, "TrainSpec.zero_stage"),
@@ -274,7 +297,7 @@ def test_bad_spec_values_are_named(field, value, match):
 
 
 @pytest.mark.parametrize("field,value", [("steps", "10"), ("kernels", "yes"), ("lr", "0.1"), ("steps", True),
-                                         ("checkpoint_dir", 3)])
+                                         ("checkpoint_dir", 3), ("loss_chunk_size", 256.0)])
 def test_wrong_types_are_named(field, value):
     with pytest.raises(TypeError, match=f"TrainSpec.{field} must be"):
         TrainSpec(**{**TINY, field: value}).validate()
@@ -319,6 +342,9 @@ def test_cli_prints_and_writes_metrics(tmp_path, capsys):
 def test_cli_rejects_bad_values(capsys):
     assert cli.main(["--steps", "-3"]) == 2
     assert "TrainSpec.steps must be >= 1" in capsys.readouterr().err
+    assert cli.build_parser().parse_args(["--loss-chunk-size", "512"]).loss_chunk_size == 512
+    assert cli.main(["--loss-chunk-size", "-1"]) == 2
+    assert "TrainSpec.loss_chunk_size must be a finite value >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["--strategy"])  # argparse: missing value
 

@@ -25,6 +25,9 @@ class TrainSpec:
     warmup_steps: int = 0
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
     kernels: bool = True  # apply fuseforge kernels to the model
+    # tokens per chunk of the fused loss head (kernels=True only; ignored without kernels, so `compare`
+    # can share it); 0 = fuseforge's default. Bigger chunks: faster, higher peak memory.
+    loss_chunk_size: int = 0
     strategy: str = "ddp"  # "ddp" | "fsdp" | "deepspeed"
     zero_stage: int = 2  # DeepSpeed ZeRO stage when strategy == "deepspeed"
     offload: bool = False  # DeepSpeed optimizer/param offload to CPU

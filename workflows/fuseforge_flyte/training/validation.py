@@ -21,7 +21,7 @@ CHOICES = {
     "zero_stage": (1, 2, 3),
 }
 POSITIVE = ("steps", "batch_size", "grad_accum", "keep_last", "log_every")
-NON_NEGATIVE = ("warmup_steps", "checkpoint_every", "weight_decay", "grad_clip", "seed")
+NON_NEGATIVE = ("warmup_steps", "checkpoint_every", "weight_decay", "grad_clip", "seed", "loss_chunk_size")
 
 
 def _check_types(spec) -> None:
