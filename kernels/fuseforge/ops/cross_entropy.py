@@ -11,11 +11,12 @@ who walks a row, and when the gradient is written.
   dloss/dlogits (into the logits' own buffer if asked). It serves reduction="none" (the
   per-token upstream gradient is only known in backward) and vocab-major views.
 * One-launch path (ce_fused_loss_and_grad): one program per row computes the loss, then
-  re-reads the row while it is still in L2 and writes the gradient, so the logits come
-  from HBM once. Used when the gradient can be written in forward (a scalar loss: its
-  upstream gradient is one factor applied in backward). On an H200 the split path's two
-  HBM reads took ~88 us per FLCE chunk (256 x 128256 bf16); a single kernel of this
-  design (Liger-Kernel's) took ~54 us.
+  re-reads the row (from L2 when few enough rows are in flight) and writes the gradient.
+  fused_linear_cross_entropy's chunks use it (their gradient is needed in forward anyway);
+  cross_entropy() only with GRAD_IN_FORWARD (a scalar loss's upstream gradient is then one
+  factor applied in backward, at the cost of a host sync). On an H200 both paths cost about
+  the same GPU time on a full batch once the statistics loop did one reduction per tile
+  (benchmarks/RESULTS.md); the split path's backward needs no sync, so it is the default.
 
 All kernels take explicit strides, so they also run on a transposed view ([tokens, vocab]
 stored vocab-major), which fused_linear_cross_entropy relies on.
