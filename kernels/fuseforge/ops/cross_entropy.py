@@ -297,6 +297,41 @@ def grad_tile(
 
 
 @triton.jit
+def sweep_row_stats(
+    x_row, stride_xv, mask_t, v_begin, v_end, softcap,
+    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """(max, sum of exp(z - max), sum of z) of token-major rows x_row over vocabulary [v_begin, v_end)."""
+    run_max, exp_acc, z_acc = init_tile_stats(BLOCK_T, BLOCK_V, VOCAB_AXIS=1)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        mask = mask_t[:, None] & (offs_v < v_end)[None, :]
+        x = tl.load(x_row[:, None] + offs_v.to(tl.int64)[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
+        run_max, exp_acc, z_acc = fold_tile_stats(
+            x, mask, run_max, exp_acc, z_acc, softcap, HAS_SOFTCAP, HAS_SMOOTHING, VOCAB_AXIS=1
+        )
+    run_sum, logit_sum = finish_tile_stats(exp_acc, z_acc, HAS_SMOOTHING, VOCAB_AXIS=1)
+    return run_max, run_sum, logit_sum
+
+
+@triton.jit
+def sweep_row_grads(
+    x_row, stride_xv, g_row, stride_gv, mask_t, target, valid, lse, softmax_coef, smooth, hit,
+    v_begin, v_end, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """g_row = scale * dloss/dlogits of token-major rows over vocabulary [v_begin, v_end); each
+    element is read, then written, by the same program (g may alias x)."""
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        offs_v64 = offs_v.to(tl.int64)
+        mask = mask_t[:, None] & (offs_v < v_end)[None, :]
+        x = tl.load(x_row[:, None] + offs_v64[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
+        hits_target = offs_v[None, :] == target[:, None]
+        g = grad_tile(x, hits_target, valid, lse, softmax_coef, smooth, hit, softcap, HAS_SOFTCAP, VOCAB_AXIS=1)
+        tl.store(g_row[:, None] + offs_v64[None, :] * stride_gv, g.to(g_row.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _ce_stats_kernel(
     x_ptr, stride_xt, stride_xv, target_ptr, stats_ptr,
     n_tokens, n_vocab, vocab_per_split, softcap,
@@ -314,15 +349,9 @@ def _ce_stats_kernel(
     v_end = tl.minimum(v_begin + vocab_per_split, n_vocab)
 
     target_logit = load_target_logit(row, stride_xv, target, mask_t, v_begin, v_end, softcap, HAS_SOFTCAP)
-    run_max, exp_acc, z_acc = init_tile_stats(BLOCK_T, BLOCK_V, VOCAB_AXIS=1)
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        mask = mask_t[:, None] & (offs_v < v_end)[None, :]
-        x = tl.load(row[:, None] + offs_v.to(tl.int64)[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
-        run_max, exp_acc, z_acc = fold_tile_stats(
-            x, mask, run_max, exp_acc, z_acc, softcap, HAS_SOFTCAP, HAS_SMOOTHING, VOCAB_AXIS=1
-        )
-    run_sum, logit_sum = finish_tile_stats(exp_acc, z_acc, HAS_SMOOTHING, VOCAB_AXIS=1)
+    run_max, run_sum, logit_sum = sweep_row_stats(
+        row, stride_xv, mask_t, v_begin, v_end, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_T, BLOCK_V
+    )
     store_split_stats(stats_ptr, pid_s, n_splits, offs_t, mask_t, n_tokens, run_max, run_sum, logit_sum, target_logit)
 
 
@@ -376,14 +405,10 @@ def _ce_grad_kernel(
     g_row = g_ptr + offs_t.to(tl.int64) * stride_gt
     v_begin = pid_s * vocab_per_split
     v_end = tl.minimum(v_begin + vocab_per_split, n_vocab)
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        offs_v64 = offs_v.to(tl.int64)
-        mask = mask_t[:, None] & (offs_v < v_end)[None, :]
-        x = tl.load(x_row[:, None] + offs_v64[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
-        hits_target = offs_v[None, :] == target[:, None]
-        g = grad_tile(x, hits_target, valid, lse, softmax_coef, smooth, hit, softcap, HAS_SOFTCAP, VOCAB_AXIS=1)
-        tl.store(g_row[:, None] + offs_v64[None, :] * stride_gv, g.to(g_ptr.dtype.element_ty), mask=mask)
+    sweep_row_grads(
+        x_row, stride_xv, g_row, stride_gv, mask_t, target, valid, lse, softmax_coef, smooth, hit,
+        v_begin, v_end, softcap, HAS_SOFTCAP, BLOCK_V,
+    )
 
 
 @triton.jit
@@ -396,8 +421,8 @@ def _ce_fused_kernel(
     """Loss, lse and g = scale * dloss/dlogits of BLOCK_T whole rows in one launch; g may alias x.
 
     Pass 1 folds each row into its softmax statistics; pass 2 re-reads the row, which the
-    program read moments ago (so on a GPU it comes from L2, not HBM), and writes g tile by
-    tile (each element read, then written, by this program only).
+    program read moments ago (from L2 when few enough rows are in flight; at 8192 x 128256 on
+    an H200 most of it came from HBM again), and writes g tile by tile.
     """
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     mask_t = offs_t < n_tokens
@@ -405,15 +430,9 @@ def _ce_fused_kernel(
     x_row = x_ptr + offs_t.to(tl.int64) * stride_xt
 
     target_logit = load_target_logit(x_row, stride_xv, target, mask_t, 0, n_vocab, softcap, HAS_SOFTCAP)
-    run_max, exp_acc, z_acc = init_tile_stats(BLOCK_T, BLOCK_V, VOCAB_AXIS=1)
-    for v0 in range(0, n_vocab, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        mask = mask_t[:, None] & (offs_v < n_vocab)[None, :]
-        x = tl.load(x_row[:, None] + offs_v.to(tl.int64)[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
-        run_max, exp_acc, z_acc = fold_tile_stats(
-            x, mask, run_max, exp_acc, z_acc, softcap, HAS_SOFTCAP, HAS_SMOOTHING, VOCAB_AXIS=1
-        )
-    run_sum, logit_sum = finish_tile_stats(exp_acc, z_acc, HAS_SMOOTHING, VOCAB_AXIS=1)
+    run_max, run_sum, logit_sum = sweep_row_stats(
+        x_row, stride_xv, mask_t, 0, n_vocab, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_T, BLOCK_V
+    )
     # Rows past n_tokens (never stored) get lse 0, not -inf, so no inf - inf is ever computed.
     lse = tl.where(mask_t, run_max, 0.0) + tl.log(tl.where(mask_t, run_sum, 1.0))
     loss = _token_loss(
@@ -427,14 +446,10 @@ def _ce_fused_kernel(
     valid = mask_t & (target != ignore_index)
     softmax_coef, smooth, hit, lse = grad_coefficients(scale, valid, lse, n_vocab, label_smoothing, z_loss_scale)
     g_row = g_ptr + offs_t.to(tl.int64) * stride_gt
-    for v0 in range(0, n_vocab, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        offs_v64 = offs_v.to(tl.int64)
-        mask = mask_t[:, None] & (offs_v < n_vocab)[None, :]
-        x = tl.load(x_row[:, None] + offs_v64[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
-        hits_target = offs_v[None, :] == target[:, None]
-        g = grad_tile(x, hits_target, valid, lse, softmax_coef, smooth, hit, softcap, HAS_SOFTCAP, VOCAB_AXIS=1)
-        tl.store(g_row[:, None] + offs_v64[None, :] * stride_gv, g.to(g_ptr.dtype.element_ty), mask=mask)
+    sweep_row_grads(
+        x_row, stride_xv, g_row, stride_gv, mask_t, target, valid, lse, softmax_coef, smooth, hit,
+        0, n_vocab, softcap, HAS_SOFTCAP, BLOCK_V,
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -557,7 +572,7 @@ def ce_fused_loss_and_grad(
     """Per-token loss and lse (fp32), and out = scale * dloss/dlogits, in one launch.
 
     Same results as ce_forward_stats then ce_write_grad, but each row is read by one program
-    that re-reads it while it is still in L2. Made for token-major [tokens, vocab] views (any
+    that re-reads it right away (an L2 hit when few rows are in flight). Made for token-major [tokens, vocab] views (any
     strides work; vocab-major ones are slow). `scale` is fp32 with 1 element or one per
     token; `out` may be `logits` itself.
     """
@@ -626,7 +641,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
 
     Gradient in forward (reduction "mean"/"sum"): the loss is a scalar, so dloss/dlogits is
     known up to the factor grad_output before backward runs. One kernel reads each row,
-    re-reads it from L2 and writes the gradient: one HBM read of the logits instead of two.
+    re-reads it right away (meant to hit L2) and writes the gradient.
     Only the gradient is saved; backward multiplies it by grad_output (one host sync).
 
     Gradient in backward (reduction "none", vocab-major views, or GRAD_IN_FORWARD=False):

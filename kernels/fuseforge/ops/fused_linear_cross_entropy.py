@@ -60,7 +60,7 @@ from fuseforge.ops.vocab_major_cross_entropy import vocab_major_grad_in_place, v
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 # Switch: token-major chunks whose gradient is wanted get loss and gradient from one kernel
-# launch (each logit read once from HBM, re-read from L2) instead of the split stats and
+# launch (each row re-read right away, from L2 at chunk sizes) instead of the split stats and
 # gradient kernels. Read at call time.
 FUSED_CHUNK_CE = True
 
