@@ -4,13 +4,18 @@ Run as a script (by tests/test_sm90_compile.py) in a process WITHOUT TRITON_INTE
 so that @triton.jit builds real JIT functions; triton.compile then lowers them through
 TTIR/TTGIR/LLVM to PTX and runs the bundled ptxas for sm_90. This catches what the CPU
 interpreter cannot: constructs the GPU compiler rejects, wrong constexpr handling,
-type errors in branches the interpreter never takes. Prints one line per kernel variant.
+type errors in branches the interpreter never takes. Prints one line per kernel variant;
+with --resources also its registers, stack, shared memory and spill (LOCAL) bytes.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import triton
 import triton.language as tl
@@ -18,10 +23,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fuseforge.ops import cross_entropy as ce
-from fuseforge.ops import glu, jsd, kl_div, layer_norm, rms_norm, rope
+from fuseforge.ops import glu, jsd, kl_div, layer_norm, rms_norm, rope, scaling, targets
 from fuseforge.ops import vocab_major_cross_entropy as vm
 
 TARGET = GPUTarget("cuda", 90, 32)
+# `--resources`: also print each variant's registers and spills (LOCAL > 0 means spilled).
+RESOURCES = "--resources" in sys.argv
 FLOAT_ARGS = {"softcap", "label_smoothing", "z_loss_scale", "eps", "offset", "beta", "inv_temperature"}
 
 
@@ -40,11 +47,23 @@ def signature(kernel, pointers: dict, dtype: str) -> dict:
     return sig
 
 
+def resource_usage(cubin: bytes) -> str:
+    """Registers, stack, shared and local (spill) bytes per thread, from the cuobjdump Triton ships."""
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    match = re.search(r"REG:\d+ STACK:\d+ SHARED:\d+ LOCAL:\d+", out)
+    return match.group(0) if match else "resource usage unavailable"
+
+
 def compile_for_sm90(kernel, pointers: dict, dtype: str, constexprs: dict, num_warps: int = 8) -> None:
     src = ASTSource(fn=kernel, signature=signature(kernel, pointers, dtype), constexprs=constexprs)
     compiled = triton.compile(src, target=TARGET, options={"num_warps": num_warps})
     assert "sm_90" in compiled.asm["ptx"] or ".target" in compiled.asm["ptx"]
-    print(f"ok {kernel.__name__} {dtype} {constexprs}", flush=True)
+    usage = f" [{resource_usage(compiled.asm['cubin'])}]" if RESOURCES else ""
+    print(f"ok {kernel.__name__} {dtype} {constexprs}{usage}", flush=True)
 
 
 def data(*names):
@@ -64,13 +83,18 @@ def main() -> int:
             compile_for_sm90(ce._ce_grad_kernel, {**data("x_ptr", "g_ptr"), "target_ptr": i64, "lse_ptr": f32,
                                                   "scale_ptr": f32}, dt,
                              dict(HAS_SOFTCAP=softcap, SCALE_PER_ROW=softcap, BLOCK_T=1, BLOCK_V=4096))
-            compile_for_sm90(ce._ce_fused_kernel, {**data("x_ptr", "g_ptr"), "target_ptr": i64, "loss_ptr": f32,
-                                                   "lse_ptr": f32, "scale_ptr": f32}, dt,
-                             dict(HAS_SOFTCAP=softcap, HAS_SMOOTHING=softcap, HAS_Z_LOSS=softcap,
-                                  SCALE_PER_ROW=softcap, BLOCK_T=1, BLOCK_V=ce._GPU_FUSED_BLOCK_V),
-                             num_warps=ce._GPU_FUSED_NUM_WARPS)
+            for n_splits in (1, 8):
+                compile_for_sm90(ce._ce_resident_kernel, {**data("x_ptr", "g_ptr"), "target_ptr": i64, "loss_ptr": f32,
+                                                          "lse_ptr": f32, "scale_ptr": f32, "parts_ptr": f32,
+                                                          "arrivals_ptr": "*i32"}, dt,
+                                 dict(HAS_SOFTCAP=softcap, HAS_SMOOTHING=softcap, HAS_Z_LOSS=softcap,
+                                      SCALE_PER_ROW=softcap, N_SPLITS=n_splits, SPLITS_POW2=n_splits,
+                                      BLOCK_V=ce._GPU_RESIDENT_BLOCK_V),
+                                 num_warps=ce._GPU_RESIDENT_NUM_WARPS)
             compile_for_sm90(vm._grad_kernel, {**data("x_ptr"), "target_ptr": i64, "lse_ptr": f32, "scale_ptr": f32},
                              dt, dict(HAS_SOFTCAP=softcap, SCALE_PER_TOKEN=softcap, BLOCK_T=64, BLOCK_V=64))
+        compile_for_sm90(scaling._scale_unless_one_kernel, {**data("x_ptr"), "factor_ptr": dt}, dt,
+                         dict(EMULATE_RNE=False, BLOCK=scaling._BLOCK))
         norm_cons = dict(COMPUTE=tl.float32, EMULATE_RNE=False, ROW_BLOCK=1, BLOCK_N=4096)
         compile_for_sm90(rms_norm._rms_norm_fwd_kernel, {**data("X", "R", "S", "Y", "W"), "RSTD": f32}, dt,
                          dict(HAS_RESIDUAL=True, ROUND_NORMED=True, **norm_cons))
@@ -103,6 +127,8 @@ def main() -> int:
             compile_for_sm90(kl_div._kl_div_backward_kernel, data("x_ptr", "y_ptr", "g_ptr", "grad_x_ptr", "grad_y_ptr"),
                              dt, dict(LOG_TARGET=log_target, ELEMENTWISE_GRAD=False, NEED_GRAD_X=True,
                                       NEED_GRAD_Y=True, BLOCK=2048))
+    compile_for_sm90(targets._scan_targets_kernel, {"target_ptr": i64, "inv_count_ptr": f32, "found_ptr": i64}, f32,
+                     dict(BLOCK=targets._BLOCK))
     compile_for_sm90(ce.ce_finalize_kernel, {"stats_ptr": f32, "target_ptr": i64, "loss_ptr": f32, "lse_ptr": f32},
                      f32, dict(HAS_SMOOTHING=True, HAS_Z_LOSS=True, BLOCK_T=64, BLOCK_S=32), num_warps=4)
     return 0

@@ -1,22 +1,24 @@
-"""Cross-entropy on logits: online softmax over the vocabulary, in two kernel designs.
+"""Cross-entropy on logits: softmax statistics over the vocabulary (fp32), in two kernel designs.
 
-Why two: a row of logits is too long (128k-256k classes) for one program to hold, so
-every design walks it in tiles with a running max / sum-of-exp (fp32). What differs is
-who walks a row, and when the gradient is written.
+Why two: a row of logits (128k-256k classes) is too long for one program to hold. Either
+programs walk it in tiles with a running max / sum-of-exp and read it again for the gradient,
+or a group of programs holds it between them and writes the gradient from registers.
 
 * Split path (ce_forward_stats, ce_write_grad): the vocabulary of every row is split
   between programs, so that a chunk of a few hundred rows still fills the GPU; a tiny
   finalize kernel merges the slices into the log-sum-exp and per-token loss, and a
-  gradient kernel, possibly in backward, sweeps the logits again from HBM and writes
-  dloss/dlogits (into the logits' own buffer if asked). It serves reduction="none" (the
-  per-token upstream gradient is only known in backward) and vocab-major views.
-* One-launch path (ce_fused_loss_and_grad): one program per row computes the loss, then
-  re-reads the row (from L2 when few enough rows are in flight) and writes the gradient.
-  fused_linear_cross_entropy's chunks use it (their gradient is needed in forward anyway);
-  cross_entropy() only with GRAD_IN_FORWARD (a scalar loss's upstream gradient is then one
-  factor applied in backward, at the cost of a host sync). On an H200 both paths cost about
-  the same GPU time on a full batch once the statistics loop did one reduction per tile
-  (benchmarks/RESULTS.md); the split path's backward needs no sync, so it is the default.
+  gradient kernel, in backward, sweeps the logits again from HBM and writes dloss/dlogits
+  (into the logits' own buffer if asked). It serves reduction="none" (the per-token
+  upstream gradient is only known in backward), vocab-major views and forward-only calls.
+* One-launch path (ce_fused_loss_and_grad, _ce_resident_kernel): a group of programs
+  holds a row in registers, one slice each, exchanges the slices' statistics through a
+  small global buffer, and writes the gradient from the registers: the logits are read
+  once instead of twice. cross_entropy() takes it for a scalar loss whose logits need a
+  gradient (GRAD_IN_FORWARD); backward then only applies grad_output, on the device.
+  fused_linear_cross_entropy's chunks use it too (their gradient is needed in forward anyway).
+
+Class indices are counted and range-checked on the device (ops/targets.py): no host sync in
+forward or backward on any path, so the GPU never waits for the CPU between kernels.
 
 All kernels take explicit strides, so they also run on a transposed view ([tokens, vocab]
 stored vocab-major), which fused_linear_cross_entropy relies on.
@@ -37,6 +39,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from fuseforge.ops.scaling import scale_unless_one
+from fuseforge.ops.targets import raise_pending_target_errors, scan_targets
 from fuseforge.ops.utils import (
     TRAINING_DTYPES,
     check_device_supported,
@@ -52,24 +56,19 @@ from fuseforge.ops.utils import (
 # sum of z (label smoothing) and the target's logit (0 unless the split holds it).
 N_STATS = 4
 
-# Switch: compute cross_entropy()'s gradient in forward, with one launch, where that is possible
-# (see _CrossEntropyFunction). Read at call time. Off by default: once the statistics loop did one
-# reduction per tile, the split kernels took the same GPU time on the H200 (8192 x 128256 bf16:
-# 1.72 ms vs 1.69 ms) without the host sync the one-launch path needs in backward (do_bench
-# 2.19 ms vs 2.36 ms; benchmarks/RESULTS.md). fused_linear_cross_entropy's chunks, whose gradient
-# is needed in forward anyway, use the one-launch kernel (FUSED_CHUNK_CE there).
-GRAD_IN_FORWARD = False
+# Switch: compute cross_entropy()'s gradient in forward, with the one-launch kernel, where that is
+# possible (see _CrossEntropyFunction). Read at call time. On by default: it reads the logits once
+# where the split kernels read them twice (benchmarks/RESULTS.md, session 3).
+GRAD_IN_FORWARD = True
 
-# GPU launch of the one-launch kernel (one row per program), by row count. Read at call time,
-# so that benchmarks/tune.py can sweep them. Measured on the H200 (benchmarks/RESULTS.md):
-# a fused-linear chunk (256 x 128256) is fastest with few wide programs (8192 / 16 warps:
-# 108 us of kernels per step vs 128 us at 4096 / 8), a full batch (8192 x 128256) with many
-# narrow ones (4096 / 8 warps: 1.69 ms; 2048 / 4: 1.65 ms; 8192 / 16: 1.94 ms).
-_GPU_FUSED_BLOCK_V = 8192
-_GPU_FUSED_NUM_WARPS = 16
-_GPU_FUSED_MANY_ROWS = 4096  # from this many rows on, use the narrow launch below
-_GPU_FUSED_MANY_ROWS_BLOCK_V = 4096
-_GPU_FUSED_MANY_ROWS_NUM_WARPS = 8
+# GPU launch of the one-launch kernel (_ce_resident_kernel): classes per row slice (a power of 2;
+# a slice lives in registers, so BLOCK_V / (32 * warps) elements per thread), warps per program,
+# and programs per SM (slices in flight). Read at call time, so that benchmarks/tune.py can sweep them.
+_GPU_RESIDENT_BLOCK_V = 16384
+_GPU_RESIDENT_NUM_WARPS = 8
+_GPU_RESIDENT_PROGRAMS_PER_SM = 2
+# More slices per row than this and the row goes to the split kernels instead.
+MAX_RESIDENT_SPLITS = 64
 
 
 @dataclass(frozen=True)
@@ -115,26 +114,6 @@ def check_target(target: object, expected_shape: torch.Size, what: str) -> torch
     if target.shape != expected_shape:
         raise ValueError(f"target must have shape {tuple(expected_shape)} ({what}), got {tuple(target.shape)}")
     return target
-
-
-def check_target_range(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
-    """Reject class indices outside [0, n_classes) that are not ignore_index.
-
-    One reduction and a single host sync per call (not per row). Skipped while a CUDA graph
-    is being captured, where a sync is illegal: the kernels never read out of bounds on a
-    bad index anyway (the target's logit is loaded only from inside the vocabulary), the
-    loss is just wrong.
-    """
-    if target.numel() == 0:
-        return
-    if target.is_cuda and torch.cuda.is_current_stream_capturing():
-        return
-    bad = ((target < 0) | (target >= n_classes)) & (target != ignore_index)
-    if bool(bad.any()):
-        first = int(target[bad].reshape(-1)[0])
-        raise ValueError(
-            f"target holds class index {first}, outside [0, {n_classes}) and not ignore_index={ignore_index}"
-        )
 
 
 # --------------------------------------------------------------------------------------
@@ -227,6 +206,12 @@ def store_split_stats(stats_ptr, pid_s, n_splits, offs_t, mask_t, n_tokens, run_
     tl.store(out + field, run_sum, mask=mask_t)
     tl.store(out + 2 * field, logit_sum, mask=mask_t)
     tl.store(out + 3 * field, target_logit, mask=mask_t)
+
+
+@triton.jit
+def target_is_bad(target, n_vocab, ignore_index):
+    """A class index outside [0, n_vocab) that is not ignore_index: its loss is NaN."""
+    return (target != ignore_index) & ((target < 0) | (target >= n_vocab))
 
 
 @triton.jit
@@ -381,6 +366,7 @@ def ce_finalize_kernel(
         lse, target_logit, logit_sum, target, n_vocab, ignore_index, label_smoothing, z_loss_scale,
         HAS_SMOOTHING, HAS_Z_LOSS,
     )
+    loss = tl.where(target_is_bad(target, n_vocab, ignore_index), float("nan"), loss)
     tl.store(loss_ptr + offs_t, loss, mask=mask_t)
     tl.store(lse_ptr + offs_t, lse, mask=mask_t)
 
@@ -412,44 +398,103 @@ def _ce_grad_kernel(
 
 
 @triton.jit
-def _ce_fused_kernel(
+def _ce_resident_kernel(
     x_ptr, stride_xt, stride_xv, g_ptr, stride_gt, stride_gv, target_ptr, loss_ptr, lse_ptr, scale_ptr,
-    n_tokens, n_vocab, ignore_index, label_smoothing, z_loss_scale, softcap,
+    parts_ptr, arrivals_ptr,
+    n_tokens, n_vocab, vocab_per_split, ignore_index, label_smoothing, z_loss_scale, softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    SCALE_PER_ROW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    SCALE_PER_ROW: tl.constexpr, N_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Loss, lse and g = scale * dloss/dlogits of BLOCK_T whole rows in one launch; g may alias x.
+    """Loss, lse and g = scale * dloss/dlogits with ONE read of the logits; g may alias x.
 
-    Pass 1 folds each row into its softmax statistics; pass 2 re-reads the row, which the
-    program read moments ago (from L2 when few enough rows are in flight; at 8192 x 128256 on
-    an H200 most of it came from HBM again), and writes g tile by tile.
+    A row is cut into N_SPLITS slices of at most BLOCK_V classes, one per program of a group
+    of N_SPLITS consecutive programs; each group walks rows group, group + n_groups, ...
+    A program keeps its slice in registers, publishes the slice's (max, sum of exp(z - max),
+    sum of z, target logit) in parts [rows, 4, SPLITS_POW2], counts itself in arrivals[row],
+    waits until the whole group has arrived, merges the N_SPLITS statistics into the row's
+    lse, and writes its slice of the gradient from the registers: one HBM read and one write
+    per element, where a two-sweep kernel reads every element twice.
+
+    The wait is safe because a group's membership is fixed: programs are dispatched in order,
+    so a group is resident together, and one that waits only waits for its own members.
+    arrivals must be zero at launch. Under the interpreter (programs run one after another)
+    N_SPLITS must be 1.
     """
-    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < n_tokens
-    target = tl.load(target_ptr + offs_t, mask=mask_t, other=ignore_index)
-    x_row = x_ptr + offs_t.to(tl.int64) * stride_xt
+    pid = tl.program_id(0)
+    group = pid // N_SPLITS
+    split = pid % N_SPLITS
+    n_groups = tl.num_programs(0) // N_SPLITS
+    v_begin = split * vocab_per_split
+    # Per-element state is what limits a slice's length (registers), so lanes are compared with
+    # per-program scalars: the slice's length, and the target's lane in it.
+    lane = tl.arange(0, BLOCK_V)
+    mask_v = lane < tl.minimum(vocab_per_split, n_vocab - v_begin)
+    offs_s = tl.arange(0, SPLITS_POW2)
+    mask_s = offs_s < N_SPLITS
+    for row in range(group, n_tokens, n_groups):
+        row64 = tl.cast(row, tl.int64)  # (a Python int under the interpreter)
+        target = tl.load(target_ptr + row)
+        target_lane = target - v_begin  # outside [0, BLOCK_V) unless this slice holds the target
+        x_row = x_ptr + row64 * stride_xt + v_begin.to(tl.int64) * stride_xv
+        x = tl.load(x_row + lane * stride_xv, mask=mask_v, other=0.0)
+        z = tl.where(mask_v, _capped_logits(x.to(tl.float32), softcap, HAS_SOFTCAP), float("-inf"))
+        part_max = tl.max(z, axis=0)  # finite: every split holds at least one class
+        # Kept for the gradient, exp(z - lse) = e * exp(part_max - lse): one exp per logit, and
+        # the only per-element value (with x, under softcap) held while the group waits.
+        e = tl.exp(z - part_max)
+        part_sum = tl.sum(e, axis=0)
+        part_target = tl.sum(tl.where(lane == target_lane, z, 0.0), axis=0)
+        part_z = 0.0
+        if HAS_SMOOTHING:
+            part_z = tl.sum(tl.where(mask_v, z, 0.0), axis=0)
 
-    target_logit = load_target_logit(x_row, stride_xv, target, mask_t, 0, n_vocab, softcap, HAS_SOFTCAP)
-    run_max, run_sum, logit_sum = sweep_row_stats(
-        x_row, stride_xv, mask_t, 0, n_vocab, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_T, BLOCK_V
-    )
-    # Rows past n_tokens (never stored) get lse 0, not -inf, so no inf - inf is ever computed.
-    lse = tl.where(mask_t, run_max, 0.0) + tl.log(tl.where(mask_t, run_sum, 1.0))
-    loss = _token_loss(
-        lse, target_logit, logit_sum, target, n_vocab, ignore_index, label_smoothing, z_loss_scale,
-        HAS_SMOOTHING, HAS_Z_LOSS,
-    )
-    tl.store(loss_ptr + offs_t, loss, mask=mask_t)
-    tl.store(lse_ptr + offs_t, lse, mask=mask_t)
+        parts = parts_ptr + row64 * (4 * SPLITS_POW2)
+        if N_SPLITS > 1:
+            tl.store(parts + split, part_max)
+            tl.store(parts + SPLITS_POW2 + split, part_sum)
+            tl.store(parts + 2 * SPLITS_POW2 + split, part_z)
+            tl.store(parts + 3 * SPLITS_POW2 + split, part_target)
+            tl.debug_barrier()  # every thread's stores happen before the release below
+            arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu") + 1
+            while arrived < N_SPLITS:
+                arrived = tl.atomic_add(arrivals_ptr + row, 0, sem="acquire", scope="gpu")
+            tl.debug_barrier()
+            # .cg: from L2, never from a line this SM's L1 cached before the others wrote it.
+            all_max = tl.load(parts + offs_s, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
+            all_sum = tl.load(parts + SPLITS_POW2 + offs_s, mask=mask_s, other=0.0, cache_modifier=".cg")
+            row_max = tl.max(all_max, axis=0)
+            lse = row_max + tl.log(tl.sum(all_sum * tl.exp(all_max - row_max), axis=0))
+            target_logit = tl.sum(tl.load(parts + 3 * SPLITS_POW2 + offs_s, mask=mask_s, other=0.0,
+                                          cache_modifier=".cg"), axis=0)
+            logit_sum = 0.0
+            if HAS_SMOOTHING:
+                logit_sum = tl.sum(tl.load(parts + 2 * SPLITS_POW2 + offs_s, mask=mask_s, other=0.0,
+                                           cache_modifier=".cg"), axis=0)
+        else:
+            lse = part_max + tl.log(part_sum)
+            target_logit = part_target
+            logit_sum = part_z
 
-    scale = load_scale(scale_ptr, offs_t, mask_t, SCALE_PER_ROW, BLOCK_T)
-    valid = mask_t & (target != ignore_index)
-    softmax_coef, smooth, hit, lse = grad_coefficients(scale, valid, lse, n_vocab, label_smoothing, z_loss_scale)
-    g_row = g_ptr + offs_t.to(tl.int64) * stride_gt
-    sweep_row_grads(
-        x_row, stride_xv, g_row, stride_gv, mask_t, target, valid, lse, softmax_coef, smooth, hit,
-        0, n_vocab, softcap, HAS_SOFTCAP, BLOCK_V,
-    )
+        loss = _token_loss(
+            lse, target_logit, logit_sum, target, n_vocab, ignore_index, label_smoothing, z_loss_scale,
+            HAS_SMOOTHING, HAS_Z_LOSS,
+        )
+        tl.store(loss_ptr + row, tl.where(target_is_bad(target, n_vocab, ignore_index), float("nan"), loss),
+                 mask=split == 0)
+        tl.store(lse_ptr + row, lse, mask=split == 0)
+
+        valid = target != ignore_index
+        if SCALE_PER_ROW:
+            scale = tl.load(scale_ptr + row).to(tl.float32)
+        else:
+            scale = tl.load(scale_ptr).to(tl.float32)
+        softmax_coef, smooth, hit, lse_g = grad_coefficients(scale, valid, lse, n_vocab, label_smoothing, z_loss_scale)
+        g = (softmax_coef * tl.exp(part_max - lse_g)) * e - smooth - tl.where(lane == target_lane, hit, 0.0)
+        if HAS_SOFTCAP:
+            g *= _softcap_slope(x.to(tl.float32), softcap)
+        g = tl.where(valid, g, 0.0)
+        g_row = g_ptr + row64 * stride_gt + v_begin.to(tl.int64) * stride_gv
+        tl.store(g_row + lane * stride_gv, g.to(g_ptr.dtype.element_ty), mask=mask_v)
 
 
 # --------------------------------------------------------------------------------------
@@ -560,6 +605,34 @@ def ce_write_grad(
     return out
 
 
+@dataclass(frozen=True)
+class ResidentTiling:
+    """Launch of _ce_resident_kernel: row slices (classes per program), programs per row, grid."""
+
+    block_v: int
+    num_warps: int
+    n_splits: int
+    vocab_per_split: int
+    n_groups: int
+
+
+def resident_tiling(n_tokens: int, n_vocab: int, device: torch.device) -> ResidentTiling | None:
+    """Slices of at most BLOCK_V classes (a multiple of 16, so loads stay 16-byte aligned on
+    aligned rows), balanced across the row; None when a row needs more than MAX_RESIDENT_SPLITS."""
+    if is_interpreter():  # programs run one after another there: a program cannot wait for another
+        block_v, warps, per_sm = triton.next_power_of_2(n_vocab), 4, 1
+    else:
+        block_v, warps, per_sm = _GPU_RESIDENT_BLOCK_V, _GPU_RESIDENT_NUM_WARPS, _GPU_RESIDENT_PROGRAMS_PER_SM
+    n_splits = triton.cdiv(n_vocab, block_v)
+    if n_splits > MAX_RESIDENT_SPLITS:
+        return None
+    vocab_per_split = min(block_v, triton.cdiv(triton.cdiv(n_vocab, n_splits), 16) * 16)
+    n_splits = triton.cdiv(n_vocab, vocab_per_split)  # every split holds at least one class
+    block_v = triton.next_power_of_2(vocab_per_split)
+    n_groups = max(1, min(n_tokens, num_programs_hint(device) * per_sm // n_splits))
+    return ResidentTiling(block_v, warps, n_splits, vocab_per_split, n_groups)
+
+
 def ce_fused_loss_and_grad(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -569,32 +642,37 @@ def ce_fused_loss_and_grad(
     loss_out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss and lse (fp32), and out = scale * dloss/dlogits, in one launch.
+    """Per-token loss and lse (fp32), and out = scale * dloss/dlogits, reading the logits once.
 
-    Same results as ce_forward_stats then ce_write_grad, but each row is read by one program
-    that re-reads it right away (an L2 hit when few rows are in flight). Made for token-major [tokens, vocab] views (any
-    strides work; vocab-major ones are slow). `scale` is fp32 with 1 element or one per
-    token; `out` may be `logits` itself.
+    Same results as ce_forward_stats then ce_write_grad (NaN loss at a bad class index), in one
+    launch of _ce_resident_kernel; rows too long for it (over MAX_RESIDENT_SPLITS slices) take
+    those two kernels. Made for token-major [tokens, vocab] views (any strides work). `scale` is
+    fp32 with 1 element or one per token; `out` may be `logits` itself.
     """
     n_tokens, n_vocab = logits.shape
     loss = loss_out if loss_out is not None else torch.empty(n_tokens, dtype=torch.float32, device=logits.device)
     lse = lse_out if lse_out is not None else torch.empty(n_tokens, dtype=torch.float32, device=logits.device)
     if n_tokens == 0:
         return loss, lse
-    if is_interpreter():
-        block_t, block_v, warps = _interpreter_block_t(n_tokens), 1024, 4
-    else:
-        block_t, block_v, warps = 1, _GPU_FUSED_BLOCK_V, _GPU_FUSED_NUM_WARPS
-        if n_tokens >= _GPU_FUSED_MANY_ROWS:
-            block_v, warps = _GPU_FUSED_MANY_ROWS_BLOCK_V, _GPU_FUSED_MANY_ROWS_NUM_WARPS
-    block_v = min(block_v, triton.next_power_of_2(n_vocab))
-    _ce_fused_kernel[(triton.cdiv(n_tokens, block_t),)](
+    tiling = resident_tiling(n_tokens, n_vocab, logits.device)
+    if tiling is None:
+        ce_forward_stats(logits, target, opts, loss_out=loss, lse_out=lse)
+        ce_write_grad(logits, target, lse, scale, opts, out=out)
+        return loss, lse
+    splits_pow2 = triton.next_power_of_2(tiling.n_splits)
+    if tiling.n_splits > 1:
+        parts = torch.empty(n_tokens, 4, splits_pow2, dtype=torch.float32, device=logits.device)
+        arrivals = torch.zeros(n_tokens, dtype=torch.int32, device=logits.device)
+    else:  # nothing to exchange: the kernel never touches them
+        parts, arrivals = lse, target
+    _ce_resident_kernel[(tiling.n_groups * tiling.n_splits,)](
         logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1), target, loss, lse, scale,
-        n_tokens, n_vocab, opts.ignore_index, opts.label_smoothing, opts.z_loss_scale,
+        parts, arrivals,
+        n_tokens, n_vocab, tiling.vocab_per_split, opts.ignore_index, opts.label_smoothing, opts.z_loss_scale,
         opts.softcap if opts.softcap is not None else 1.0,
         HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0.0,
         HAS_Z_LOSS=opts.z_loss_scale > 0.0, SCALE_PER_ROW=scale.numel() != 1,
-        BLOCK_T=block_t, BLOCK_V=block_v, num_warps=warps,
+        N_SPLITS=tiling.n_splits, SPLITS_POW2=splits_pow2, BLOCK_V=tiling.block_v, num_warps=tiling.num_warps,
     )
     return loss, lse
 
@@ -607,55 +685,33 @@ def mark_overwritten(t: torch.Tensor) -> None:
         increment(t)
 
 
-def mean_denominator_inverse(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    """1 / (number of non-ignored tokens) on the device, without a host sync; 1 if all are ignored."""
-    n_valid = (target != ignore_index).sum()
-    return 1.0 / n_valid.clamp(min=1).to(torch.float32)
-
-
 # --------------------------------------------------------------------------------------
 # Autograd and public API
 # --------------------------------------------------------------------------------------
-
-
-def multiply_by_grad_output(grads, grad_output: torch.Tensor) -> None:
-    """Scale gradients computed in forward, in place, by the scalar upstream gradient.
-
-    Skipped when it is exactly 1 (the usual loss.backward()), which costs one host sync but
-    saves a read-modify-write of every gradient. During CUDA graph capture no sync is allowed,
-    so the multiply always runs (with the factor rounded to the gradient dtype).
-    """
-    tensors = [t for t in grads if t is not None]
-    if grad_output.is_cuda and torch.cuda.is_current_stream_capturing():
-        for t in tensors:
-            t.mul_(grad_output)
-        return
-    factor = float(grad_output)
-    if factor != 1.0:
-        for t in tensors:
-            t.mul_(factor)
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
     """Two ways to the same loss and gradient; `grad_in_forward` picks one (see cross_entropy).
 
     Gradient in forward (reduction "mean"/"sum"): the loss is a scalar, so dloss/dlogits is
-    known up to the factor grad_output before backward runs. One kernel reads each row,
-    re-reads it right away (meant to hit L2) and writes the gradient.
-    Only the gradient is saved; backward multiplies it by grad_output (one host sync).
+    known up to the factor grad_output before backward runs. One kernel reads each row once
+    and writes the loss and the gradient; only the gradient is saved, and backward multiplies
+    it by grad_output on the device (nothing to do for the usual 1; no host sync).
 
-    Gradient in backward (reduction "none", vocab-major views, or GRAD_IN_FORWARD=False):
-    forward reads the logits once for loss and lse (vocabulary split across programs, which
-    fills the GPU even for a few rows); backward reads them again and writes the gradient
-    already multiplied by grad_output (per token for "none"), with no host sync and no
+    Gradient in backward (reduction "none", vocab-major views, no gradient wanted, or
+    GRAD_IN_FORWARD=False): forward reads the logits once for loss and lse (vocabulary split
+    across programs, which fills the GPU even for a few rows); backward reads them again and
+    writes the gradient already multiplied by grad_output (per token for "none"), with no
     second [N, V] buffer held between forward and backward.
     """
 
     @staticmethod
-    def forward(ctx, logits, target, opts: LossOptions, reduction: str, inplace_grad: bool, grad_in_forward: bool):
-        inv_count = mean_denominator_inverse(target, opts.ignore_index) if reduction == "mean" else None
+    def forward(ctx, logits, target, inv_count, opts: LossOptions, reduction: str, inplace_grad: bool,
+                grad_in_forward: bool):
+        if reduction != "mean":
+            inv_count = None
         if grad_in_forward:
-            scale = inv_count.reshape(1) if inv_count is not None else logits.new_ones(1, dtype=torch.float32)
+            scale = inv_count if inv_count is not None else logits.new_ones(1, dtype=torch.float32)
             grad = logits if inplace_grad else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
             loss_tok, lse = ce_fused_loss_and_grad(logits, target, opts, scale, out=grad)
             if inplace_grad:
@@ -669,7 +725,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         elif reduction == "sum":
             loss = loss_tok.sum()
         else:
-            loss = loss_tok.sum() * inv_count
+            loss = loss_tok.sum() * inv_count.reshape(())
         ctx.opts, ctx.reduction, ctx.inplace_grad, ctx.grad_in_forward = opts, reduction, inplace_grad, grad_in_forward
         ctx.mark_non_differentiable(lse)
         return loss.to(logits.dtype), lse
@@ -677,10 +733,11 @@ class _CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_lse):
+        raise_pending_target_errors()
         if ctx.grad_in_forward:
             (grad,) = ctx.saved_tensors
-            multiply_by_grad_output((grad,), grad_loss)
-            return grad, None, None, None, None, None
+            scale_unless_one((grad,), grad_loss)
+            return grad, None, None, None, None, None, None
         logits, target, lse, inv_count = ctx.saved_tensors
         if ctx.reduction == "none":
             scale = grad_loss.to(torch.float32).contiguous()
@@ -693,7 +750,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         ce_write_grad(logits, target, lse, scale, ctx.opts, out=grad)
         if inplace:
             mark_overwritten(logits)
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 def cross_entropy(
@@ -720,11 +777,11 @@ def cross_entropy(
     replaces the logits by softcap * tanh(logits / softcap) first (Gemma 2). Both are
     differentiated through.
 
-    The gradient is computed in backward, already multiplied by grad_output (no host sync).
-    With fuseforge.ops.cross_entropy.GRAD_IN_FORWARD = True, when the logits need a gradient
-    and reduction is "mean" or "sum", it is computed during this call instead, in one kernel
-    with the loss, and backward only multiplies it by grad_output (one host sync; none when
-    capturing a CUDA graph).
+    When the logits need a gradient and reduction is "mean" or "sum", it is computed during
+    this call, in one kernel with the loss (each logit read once), and backward only applies
+    grad_output on the device. Otherwise (reduction="none", no gradient wanted, vocab-major
+    logits, or fuseforge.ops.cross_entropy.GRAD_IN_FORWARD = False) backward computes it,
+    already multiplied by grad_output. No path syncs with the host.
 
     inplace_grad=True writes the gradient into the logits' own buffer (saves one [N, V]
     allocation): during backward, or during this call when the gradient is computed here.
@@ -735,8 +792,10 @@ def cross_entropy(
     return_lse=True also returns the fp32 log-sum-exp per token (shape of target, not
     differentiable; defined at ignored tokens too).
 
-    Class indices outside [0, V) other than ignore_index raise ValueError (one host sync
-    per call; skipped during CUDA graph capture).
+    Class indices outside [0, V) other than ignore_index get a NaN loss and raise ValueError:
+    on a CUDA device without a host sync, from the first later fuseforge loss call (or this
+    loss's backward) that runs after the GPU has checked them; at once with
+    fuseforge.ops.targets.TARGET_CHECK = "sync", and always on the CPU (see ops/targets.py).
     """
     opts = check_loss_options(ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
     check_tensor("logits", logits, min_ndim=1, dtypes=TRAINING_DTYPES)
@@ -746,13 +805,14 @@ def cross_entropy(
     check_target(target, logits.shape[:-1], "logits.shape[:-1]")
     check_same_device(logits=logits, target=target)
     check_device_supported("logits", logits)
-    check_target_range(target, n_classes, opts.ignore_index)
+    raise_pending_target_errors()
 
     # A leaf's .grad must not alias its data: logits that are (a view of) a leaf get a fresh buffer.
     base = logits if logits._base is None else logits._base
     inplace_grad = bool(inplace_grad) and not base.is_leaf
     flat_logits = logits.reshape(-1, n_classes)
     flat_target = target.reshape(-1).to(torch.int64).contiguous()
+    inv_count = scan_targets(flat_target, n_classes, opts.ignore_index, "cross_entropy")
     grad_in_forward = (
         GRAD_IN_FORWARD
         and reduction != "none"  # the per-token grad_output is only known in backward
@@ -760,7 +820,9 @@ def cross_entropy(
         and torch.is_grad_enabled()
         and not is_vocab_major(flat_logits)
     )
-    loss, lse = _CrossEntropyFunction.apply(flat_logits, flat_target, opts, reduction, inplace_grad, grad_in_forward)
+    loss, lse = _CrossEntropyFunction.apply(
+        flat_logits, flat_target, inv_count, opts, reduction, inplace_grad, grad_in_forward
+    )
     if reduction == "none":
         loss = loss.view(target.shape)
     if return_lse:

@@ -21,7 +21,7 @@ and gradient several more. Here the logits only ever exist one chunk at a time:
   all of grad_weight that cuBLAS runs at ~2.5 TB/s (0.82 ms, against 0.37 ms of math), which
   is why small chunks cost ~1 ms each. See benchmarks/RESULTS.md (issue 3).
 * For reduction "mean"/"sum" the gradients are computed in forward (the loss is a scalar) and
-  backward only multiplies them by grad_output (skipped when it is exactly 1; one host sync).
+  backward only multiplies them by grad_output, on the device (nothing to do for 1; no host sync).
 * For reduction "none" the upstream gradient differs per token, so forward computes only the
   loss and backward recomputes the logits chunk by chunk: one extra logits GEMM (~4/3 the
   FLOPs of the mean path), exact for any upstream gradient.
@@ -43,10 +43,9 @@ from fuseforge.ops.cross_entropy import (
     ce_write_grad,
     check_loss_options,
     check_target,
-    check_target_range,
-    mean_denominator_inverse,
-    multiply_by_grad_output,
 )
+from fuseforge.ops.scaling import scale_unless_one
+from fuseforge.ops.targets import raise_pending_target_errors, scan_targets
 from fuseforge.ops.utils import (
     TRAINING_DTYPES,
     check_device_supported,
@@ -60,8 +59,8 @@ from fuseforge.ops.vocab_major_cross_entropy import vocab_major_grad_in_place, v
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 # Switch: token-major chunks whose gradient is wanted get loss and gradient from one kernel
-# launch (each row re-read right away, from L2 at chunk sizes) instead of the split stats and
-# gradient kernels. Read at call time.
+# launch (each logit read once, ops/cross_entropy.py's _ce_resident_kernel) instead of the split
+# stats and gradient kernels. Read at call time.
 FUSED_CHUNK_CE = True
 
 
@@ -236,6 +235,7 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_lse):
+        raise_pending_target_errors()
         if ctx.reduction == "none":
             hidden, weight, bias, target = ctx.saved_tensors
             scale = grad_loss.to(torch.float32).contiguous()
@@ -244,7 +244,7 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_hidden, grad_weight, grad_bias = grads.hidden, grads.weight, grads.bias
         else:
             grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-            multiply_by_grad_output((grad_hidden, grad_weight, grad_bias), grad_loss)
+            scale_unless_one((grad_hidden, grad_weight, grad_bias), grad_loss)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
@@ -272,7 +272,7 @@ def check_chunk_size(chunk_size) -> int | None:
     return chunk_size
 
 
-def _loss_scale(target, reduction, ignore_index, num_items_in_batch, device) -> torch.Tensor:
+def _loss_scale(inv_count, reduction, num_items_in_batch, device) -> torch.Tensor:
     """The factor between the summed per-token loss and the returned loss, as 1 fp32 element on `device`."""
     if num_items_in_batch is not None:
         if isinstance(num_items_in_batch, bool):
@@ -292,7 +292,7 @@ def _loss_scale(target, reduction, ignore_index, num_items_in_batch, device) -> 
             raise ValueError(f"num_items_in_batch must be > 0, got {num_items_in_batch} (a finite count of target tokens)")
         return torch.full((1,), 1.0 / num_items_in_batch, dtype=torch.float32, device=device)
     if reduction == "mean":
-        return mean_denominator_inverse(target, ignore_index).reshape(1)
+        return inv_count
     return torch.ones(1, dtype=torch.float32, device=device)
 
 
@@ -354,10 +354,11 @@ def fused_linear_cross_entropy(
     )
     if num_items_in_batch is not None and reduction != "mean":
         raise ValueError(f"num_items_in_batch only applies to reduction='mean', got reduction={reduction!r}")
-    check_target_range(target, n_vocab, opts.ignore_index)
+    raise_pending_target_errors()
 
     flat_target = target.reshape(-1).to(torch.int64).contiguous()
-    scale = _loss_scale(flat_target, reduction, opts.ignore_index, num_items_in_batch, hidden.device)
+    inv_count = scan_targets(flat_target, n_vocab, opts.ignore_index, "fused_linear_cross_entropy")
+    scale = _loss_scale(inv_count, reduction, num_items_in_batch, hidden.device)
     # 2-D hidden goes in as is (no view): autograd then hands our grad buffers over without copies
     # and still clones them when a graph is retained for another backward.
     flat_hidden = hidden if hidden.dim() == 2 else hidden.reshape(-1, n_hidden)
