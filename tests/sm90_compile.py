@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fuseforge.ops import cross_entropy as ce
-from fuseforge.ops import glu, jsd, kl_div, layer_norm, rms_norm, rope, scaling, targets
+from fuseforge.ops import glu, jsd, kl_div, layer_norm, rms_norm, rope, rowwise, scaling, targets
 from fuseforge.ops import vocab_major_cross_entropy as vm
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -127,6 +127,9 @@ def main() -> int:
             compile_for_sm90(kl_div._kl_div_backward_kernel, data("x_ptr", "y_ptr", "g_ptr", "grad_x_ptr", "grad_y_ptr"),
                              dt, dict(LOG_TARGET=log_target, ELEMENTWISE_GRAD=False, NEED_GRAD_X=True,
                                       NEED_GRAD_Y=True, BLOCK=2048))
+    for second in (False, True):
+        compile_for_sm90(rowwise._sum_partials_kernel, {"P1": f32, "OUT1": "*bf16", "P2": f32, "OUT2": f32}, f32,
+                         dict(HAS_SECOND=second, EMULATE_RNE=False, BLOCK_P=64, BLOCK_N=64), num_warps=4)
     compile_for_sm90(targets._scan_targets_kernel, {"target_ptr": i64, "inv_count_ptr": f32, "found_ptr": i64}, f32,
                      dict(BLOCK=targets._BLOCK))
     compile_for_sm90(ce.ce_finalize_kernel, {"stats_ptr": f32, "target_ptr": i64, "loss_ptr": f32, "lse_ptr": f32},

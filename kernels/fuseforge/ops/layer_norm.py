@@ -7,7 +7,7 @@ than x (an fp32 weight with a bf16 x is allowed).
 
 The forward saves only the per-row mean and rstd; the backward recomputes the
 normalized rows, reads x and dy once, writes dx once, and reduces the weight and bias
-gradients deterministically (one partial row per program, summed by torch). Input rows
+gradients deterministically (one partial row per program, both summed by one small kernel). Input rows
 may have any row stride; other layouts are copied to contiguous first.
 """
 
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseforge.ops.rowwise import as_rows, compute_dtype, plan_row_tiles, round_to, row_tile
+from fuseforge.ops.rowwise import as_rows, compute_dtype, plan_row_tiles, round_to, row_tile, sum_partials
 from fuseforge.ops.utils import check_device_supported, check_positive, check_same_device, check_tensor, is_interpreter
 
 
@@ -150,8 +150,13 @@ class _LayerNormFunction(torch.autograd.Function):
             ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps,
         )
         dx = dx.view(ctx.x_shape) if need_dx else None
-        dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
-        db = db_partial.sum(0).to(bias.dtype) if need_db else None
+        dw = db = None
+        if need_dw and need_db:
+            dw, db = sum_partials(dw_partial, weight.dtype, db_partial, bias.dtype)
+        elif need_dw:
+            dw = sum_partials(dw_partial, weight.dtype)[0]
+        elif need_db:
+            db = sum_partials(db_partial, bias.dtype)[0]
         return dx, dw, db, None
 
 

@@ -19,7 +19,8 @@ applies), while HF would compute in fp32.
 Memory traffic: the forward reads x (and the residual) once and writes y (and the new
 residual) plus one fp32 rstd per row; the backward recomputes the normalized rows from
 x and rstd, reads dy once and writes dx once. The weight gradient is reduced
-deterministically: each program writes one fp32 partial row, summed by torch.
+deterministically: each program writes one fp32 partial row, summed in a fixed order by one
+small kernel (rowwise.sum_partials).
 dx goes to a fresh buffer rather than into dy: the traffic is the same, and dy may be a
 tensor someone else holds (the grad of an addition is handed to both of its inputs,
 `y.backward(g)` passes the caller's g), so overwriting it is not safe in general.
@@ -35,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseforge.ops.rowwise import as_rows, compute_dtype, plan_row_tiles, round_to, row_tile
+from fuseforge.ops.rowwise import as_rows, compute_dtype, plan_row_tiles, round_to, row_tile, sum_partials
 from fuseforge.ops.utils import (
     check_device_supported,
     check_positive,
@@ -189,7 +190,7 @@ def _rms_norm_backward(ctx, source, weight, rstd, dy, d_new_residual, need_dx, n
         ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps,
     )
     dx = dx.view(ctx.x_shape) if need_dx else None
-    dw = dw_partial.sum(0).to(weight.dtype) if need_dw else None
+    dw = sum_partials(dw_partial, weight.dtype)[0] if need_dw else None
     return dx, dw
 
 

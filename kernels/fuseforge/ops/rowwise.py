@@ -112,6 +112,48 @@ def round_to(v, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
     return out
 
 
+@triton.jit
+def _sum_partials_kernel(
+    P1, OUT1, P2, OUT2, n_partials, n_cols,
+    HAS_SECOND: tl.constexpr, EMULATE_RNE: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """OUT[c] = sum over rows of P[:, c] (fixed order: deterministic), rounded once to OUT's dtype."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    acc1 = tl.zeros([BLOCK_P, BLOCK_N], dtype=P1.dtype.element_ty)
+    acc2 = tl.zeros([BLOCK_P, BLOCK_N], dtype=P1.dtype.element_ty)
+    for p0 in range(0, n_partials, BLOCK_P):
+        rows = p0 + tl.arange(0, BLOCK_P)
+        mask = (rows < n_partials)[:, None] & col_mask[None, :]
+        offsets = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+        acc1 += tl.load(P1 + offsets, mask=mask, other=0.0)
+        if HAS_SECOND:
+            acc2 += tl.load(P2 + offsets, mask=mask, other=0.0)
+    tl.store(OUT1 + cols, round_to(tl.sum(acc1, axis=0), OUT1.dtype.element_ty, EMULATE_RNE), mask=col_mask)
+    if HAS_SECOND:
+        tl.store(OUT2 + cols, round_to(tl.sum(acc2, axis=0), OUT2.dtype.element_ty, EMULATE_RNE), mask=col_mask)
+
+
+def sum_partials(
+    partial: torch.Tensor, dtype: torch.dtype, second: torch.Tensor | None = None, second_dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Column sums of one or two [programs, N] partial-sum buffers (a weight's and a bias's
+    gradient), each in its parameter's dtype: one launch where `.sum(0).to(dtype)` takes two per buffer."""
+    n_partials, n_cols = partial.shape
+    out = torch.empty(n_cols, dtype=dtype, device=partial.device)
+    out2 = torch.empty(n_cols, dtype=second_dtype, device=partial.device) if second is not None else None
+    if is_interpreter():
+        block_n = 128
+    else:  # narrow column blocks for narrow rows, so that a few hundred programs share the reads
+        block_n = max(16, min(128, triton.next_power_of_2(triton.cdiv(n_cols, 2 * num_programs_hint(partial.device)))))
+    block_p = min(64, triton.next_power_of_2(max(n_partials, 1)))
+    _sum_partials_kernel[(triton.cdiv(n_cols, block_n),)](
+        partial, out, second if second is not None else partial, out2 if out2 is not None else out, n_partials, n_cols,
+        HAS_SECOND=second is not None, EMULATE_RNE=is_interpreter(), BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
+    )
+    return out, out2
+
+
 def compute_dtype(*tensors: torch.Tensor | None) -> tuple[torch.dtype, tl.dtype]:
     """fp64 math when any operand is fp64 (exact gradchecks), fp32 otherwise."""
     if any(t is not None and t.dtype == torch.float64 for t in tensors):
