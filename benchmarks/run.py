@@ -213,6 +213,19 @@ def case_rope(B, Hq, Hk, T, D, dtype, device):
     return Case("rope", f"q{B}x{Hq}x{T}x{D},k{Hk}", [qb, kb], impls, 4 * nbytes, note="HF layout (transposed views)")
 
 
+class _AsActivation(torch.autograd.Function):
+    """A leaf's data seen as a non-leaf tensor (what a model's logits are: the output of lm_head),
+    gradients passed through. Lets `inplace_grad=True` reuse the buffer, as it would in a model."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 def case_cross_entropy(N, V, dtype, device):
     from fuseforge.functional import cross_entropy
 
@@ -227,6 +240,9 @@ def case_cross_entropy(N, V, dtype, device):
     }
     if lg:
         impls["liger"] = lambda: lg.liger_cross_entropy(logits, target)
+    # The gradient written over the logits, as in a model (Liger-Kernel always does this). Last:
+    # from its first run on, the leaf holds gradients (Liger's runs overwrite it too).
+    impls["fuseforge_inplace"] = lambda: cross_entropy(_AsActivation.apply(logits), target, inplace_grad=True)
     # read the logits once, write their gradient once.
     return Case("cross_entropy", f"{N}x{V}", [logits], impls, 2 * N * V * logits.element_size())
 

@@ -1,6 +1,6 @@
 """Launch-constant sweep for the per-op kernels, in one process on the GPU.
 
-    python benchmarks/tune.py [--op rms_norm ...] [--shape 2048,16384] [--profile]
+    python benchmarks/tune.py [--op rms_norm ...] [--shape 2048,16384 --shape 4096,1024] [--profile]
 
 For each op at its headline shape (benchmarks/run.py; EXTRA_CASES for shapes run.py
 has no entry for), every variant of the module constants below is patched in, compiled,
@@ -30,28 +30,22 @@ from fuseforge.ops import cross_entropy, glu, rope, rowwise  # noqa: E402
 
 ROWWISE = {
     "GPU_ELEMENTS_PER_THREAD": [8, 16, 32],
-    "GPU_BWD_PROGRAMS_PER_SM": [2, 4, 8],
-    "GPU_BWD_STAGES": [1, 2],
+    "GPU_BWD_PROGRAMS_PER_SM": [1, 2, 4],
 }
-# The one-launch kernel's launch by row count (few rows: a fused-linear chunk; many: a full batch).
-CE_FEW_ROWS = {
-    "_GPU_FUSED_BLOCK_V": [4096, 8192, 16384, 32768],
-    "_GPU_FUSED_NUM_WARPS": [8, 16, 32],
-    "GRAD_IN_FORWARD": [False, True],  # False: the split stats + gradient kernels, for comparison
-}
-CE_MANY_ROWS = {
-    "_GPU_FUSED_MANY_ROWS_BLOCK_V": [2048, 4096, 8192],
-    "_GPU_FUSED_MANY_ROWS_NUM_WARPS": [4, 8, 16],
-    "GRAD_IN_FORWARD": [False, True],
-}
+# The one-launch (resident) kernel: (classes per slice, warps, programs per SM), i.e. elements per
+# thread held in registers and slices in flight per SM; one extra setting runs the split kernels.
+_RESIDENT = [
+    (4096, 4, 4), (4096, 4, 8), (8192, 4, 2), (8192, 8, 2), (8192, 8, 3), (8192, 8, 4), (8192, 16, 2),
+    (16384, 8, 1), (16384, 8, 2), (16384, 16, 1), (16384, 16, 2), (16384, 32, 1), (32768, 16, 1),
+]
+CE_RESIDENT = [
+    dict(GRAD_IN_FORWARD=True, _GPU_RESIDENT_BLOCK_V=b, _GPU_RESIDENT_NUM_WARPS=w, _GPU_RESIDENT_PROGRAMS_PER_SM=p)
+    for b, w, p in _RESIDENT
+] + [dict(GRAD_IN_FORWARD=False)]
 
 
-def _ce_same_as(setting: dict) -> dict:
-    """The split path ignores the one-launch kernel's constants: all its variants are one."""
-    return setting if setting["GRAD_IN_FORWARD"] else {"GRAD_IN_FORWARD": False}
-
-
-# op -> (module, {constant: values}, optional same_as(setting) -> key of equivalent settings)
+# op -> (module, {constant: values} (every combination) or [settings], optional same_as(setting) -> key of
+# equivalent settings)
 GRIDS = {
     "rms_norm": (rowwise, ROWWISE, None),
     "fused_add_rms_norm": (rowwise, ROWWISE, None),
@@ -59,9 +53,9 @@ GRIDS = {
     "swiglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}, None),
     "geglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}, None),
     "rope": (rope, {"_GPU_TILE": [1024, 2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [4, 8, 16, 32]}, None),
-    "cross_entropy": (cross_entropy, CE_MANY_ROWS, _ce_same_as),
+    "cross_entropy": (cross_entropy, CE_RESIDENT, None),
     # cross_entropy forward+backward on one fused_linear_cross_entropy chunk (256 tokens, Llama-3 vocabulary)
-    "ce_chunk": (cross_entropy, CE_FEW_ROWS, _ce_same_as),
+    "ce_chunk": (cross_entropy, CE_RESIDENT, None),
 }
 
 # Ops tuned at a shape run.OPS has no entry for: op -> (run.OPS entry whose builder to use, shape).
@@ -149,20 +143,23 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--op", action="append", choices=sorted(GRIDS))
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--shape", help="comma-separated shape instead of each op's headline one, e.g. 2048,16384 "
-                   "(the sizes where the s2-4 sweep found fuseforge behind torch.compile)")
+    p.add_argument("--shape", action="append", help="comma-separated shape instead of each op's headline one, "
+                   "e.g. 2048,16384 (repeat for several)")
     args = p.parse_args()
     torch._dynamo.config.cache_size_limit = 256
     summary = []
+    jobs = []
     for op in args.op or list(GRIDS):
         builder, shape = builder_and_shape(op)
-        if args.shape:
-            shape = tuple(int(n) for n in args.shape.split(","))
+        shapes = [tuple(int(n) for n in text.split(",")) for text in args.shape] if args.shape else [shape]
+        jobs += [(op, builder, shape) for shape in shapes]
+    for op, builder, shape in jobs:
         torch.manual_seed(0)
         case = builder(*shape, torch.bfloat16, "cuda")
         ref = grads_of(case, "eager")
         module, grid, same_as = GRIDS[op]
-        names = list(grid)
+        settings = grid if isinstance(grid, list) else [dict(zip(grid, v)) for v in itertools.product(*grid.values())]
+        names = sorted({n for setting in settings for n in setting})
         defaults = {n: getattr(module, n) for n in names}
         fn = fwd_bwd(case.impls["fuseforge"], case.leaves)
         if args.profile:
@@ -174,8 +171,8 @@ def main() -> int:
             python_profile(fn)
         results = []
         timed = set()
-        for values in itertools.product(*grid.values()):
-            setting = dict(zip(names, values))
+        for setting in settings:
+            setting = {**defaults, **setting}
             key = tuple(sorted((same_as or dict)(setting).items()))
             if key in timed:
                 continue

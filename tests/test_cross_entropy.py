@@ -140,6 +140,46 @@ def test_gpu_rows_of_many_tiles(dtype, path):
     assert_close(grad, ref_grad, dtype)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programs of a row wait for each other: GPU only")
+@pytest.mark.parametrize("block_v, warps, per_sm", [(1024, 4, 1), (2048, 4, 3), (4096, 8, 2), (16384, 8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_resident_kernel_slice_counts(block_v, warps, per_sm, dtype, monkeypatch):
+    """Rows split over 13, 7, 4 and 1 programs (ragged last slice, odd counts, fewer groups than
+    rows, several rows per group) give the reference loss and gradient; the split count is checked."""
+    monkeypatch.setattr(ce_module, "_GPU_RESIDENT_BLOCK_V", block_v)
+    monkeypatch.setattr(ce_module, "_GPU_RESIDENT_NUM_WARPS", warps)
+    monkeypatch.setattr(ce_module, "_GPU_RESIDENT_PROGRAMS_PER_SM", per_sm)
+    n, v = 1001, 12345
+    tiling = ce_module.resident_tiling(n, v, torch.device("cuda"))
+    assert tiling.n_splits == -(-v // block_v) and tiling.n_groups * tiling.n_splits <= 132 * per_sm
+    logits = (torch.randn(n, v) * 3).to(dtype)
+    options = dict(label_smoothing=0.1, z_loss_scale=1e-3, softcap=30.0)
+    for reduction in ("mean", "sum"):
+        loss, grad, ref, ref_grad = _run(logits, random_targets(n, v), reduction, **options)
+        assert_close(loss, ref, dtype, scale=8.0 if reduction == "sum" else 1.0)
+        assert_close(grad, ref_grad, dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the deferred check exists on CUDA devices")
+def test_gpu_bad_target_is_nan_now_and_raises_later():
+    """TARGET_CHECK="async": no sync in the call; the loss is NaN, and the ValueError comes from
+    raise_pending_target_errors, or from the next loss call once the GPU is done."""
+    from fuseforge.ops import targets
+
+    logits = torch.randn(4, 10, requires_grad=True)
+    bad = torch.tensor([0, 10, 1, -100])
+    loss = cross_entropy(logits, bad)
+    assert torch.isnan(loss)
+    with pytest.raises(ValueError, match=r"class index 10, outside \[0, 10\).*earlier cross_entropy call"):
+        targets.raise_pending_target_errors(wait=True)
+    cross_entropy(logits, bad)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="class index 10"):
+        cross_entropy(logits, torch.tensor([0, 1, 2, 3]))
+    good = cross_entropy(logits, torch.tensor([0, 1, 2, 3]))  # reported once: the next call is clean
+    assert torch.isfinite(good)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_cuda_graph_capture_of_forward_and_backward(path):
     """No host sync in forward or backward (grad_output is applied on the device while capturing)."""
@@ -391,7 +431,7 @@ def test_bad_options(kwargs, error, match):
         (torch.randn(3, 5, device="meta"), torch.zeros(3, dtype=torch.long, device="meta"), ValueError, "CUDA"),
     ],
 )
-def test_bad_inputs(logits, target, error, match, device):
+def test_bad_inputs(logits, target, error, match, device, sync_target_check):
     if logits.device.type != "meta":
         logits, target = logits.to(device), target.to(device)
     with pytest.raises(error, match=match):

@@ -348,7 +348,7 @@ def _call(hidden=None, weight=None, target=None, **kw):
               target=torch.zeros(4, dtype=torch.long, device="meta")), ValueError, "CUDA"),
     ],
 )
-def test_bad_inputs(kwargs, error, match, device):
+def test_bad_inputs(kwargs, error, match, device, sync_target_check):
     # The cases were built at collection time on the CPU: move them to the test device (meta stays meta).
     kwargs = {k: v.to(device) if isinstance(v, torch.Tensor) and v.device.type == "cpu" else v
               for k, v in kwargs.items()}

@@ -83,7 +83,7 @@ def raise_pending_target_errors(wait: bool = False) -> None:
     Only scans the GPU has finished are examined, unless `wait` (then this waits for all).
     """
     global _pending
-    if not _pending:
+    if not _pending or torch.cuda.is_current_stream_capturing():  # no event queries inside a capture
         return
     with _lock:
         ready = [p for p in _pending if wait or p.done.query()]

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call, several named steps, each logged to $OUT/<step>.log (the device tool fetches $OUT).
+#   bash benchmarks/on_gpu.sh tests-kernels tune-ce run-headline ...
+# Liger-Kernel comes from carried wheels in .whl/ when present. Steps are listed in the case below.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-/tmp/fuseforge-out}"
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD/kernels:$PWD/workflows${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.log"
+run_step() {
+    local name=$1; shift
+    echo "=== $name: $*"
+    local t0=$SECONDS
+    timeout "${STEP_TIMEOUT:-300}" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name rc=$rc in $((SECONDS - t0)) s"; tail -n "${TAIL:-25}" "$OUT/$name.log"
+}
+for step in "$@"; do
+    case "$step" in
+        smoke-ce) run_step "$step" python3 benchmarks/ce_smoke.py ;;
+        tests-kernels) run_step "$step" python3 -m pytest -q -x -p no:cacheprovider tests/test_cross_entropy.py \
+            tests/test_fused_linear_cross_entropy.py tests/test_rms_norm.py tests/test_layer_norm.py tests/test_bad_inputs.py ;;
+        tests-all-kernels) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_cross_entropy.py \
+            tests/test_fused_linear_cross_entropy.py tests/test_rms_norm.py tests/test_layer_norm.py tests/test_bad_inputs.py \
+            tests/test_glu.py tests/test_rope.py tests/test_jsd.py tests/test_kl_div.py tests/test_transformers_patching.py ;;
+        tune-ce) run_step "$step" python3 benchmarks/tune.py --op cross_entropy --op ce_chunk ;;
+        tune-norms) run_step "$step" python3 benchmarks/tune.py --op rms_norm --op layer_norm \
+            --shape 4096,1024 --shape 2048,16384 --shape 16384,4096 ;;
+        run-headline) run_step "$step" python3 benchmarks/run.py --json "$OUT/headline.json" ;;
+        run-ce) run_step "$step" python3 benchmarks/run.py --op cross_entropy --json "$OUT/ce.json" ;;
+        run-sweep) run_step "$step" python3 benchmarks/run.py --sweep --op rms_norm --op layer_norm \
+            --op fused_add_rms_norm --op cross_entropy --op swiglu --json "$OUT/sweep.json" ;;
+        flce) run_step "$step" python3 benchmarks/bench_flce.py --impls fuseforge,liger ;;
+        model) run_step "$step" python3 benchmarks/bench_model.py --variants liger fuseforge ;;
+        *) echo "unknown step $step"; exit 2 ;;
+    esac
+done
