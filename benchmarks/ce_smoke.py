@@ -27,7 +27,7 @@ def check(n: int, v: int, dtype=torch.bfloat16, **options) -> float:
     ref_x = logits.detach().float().requires_grad_()
     ref = F.cross_entropy(ref_x, target, ignore_index=-100, label_smoothing=options.get("label_smoothing", 0.0))
     ref.backward()
-    loss_err = abs(float(loss) - float(ref))
+    loss_err = abs(float(loss.detach()) - float(ref.detach()))
     grad_err = float((logits.grad.float() - ref_x.grad).abs().max() / ref_x.grad.abs().max())
     tiling = ce.resident_tiling(n, v, logits.device)
     print(f"{n}x{v} {dtype} {options} splits={tiling and tiling.n_splits} groups={tiling and tiling.n_groups}: "

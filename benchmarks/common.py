@@ -128,7 +128,7 @@ def peak_extra_mib(fn: Callable[[], object]) -> float:
 
 
 def fwd_bwd(forward: Callable[[], torch.Tensor | tuple], leaves: list[torch.Tensor], grads: list | None = None):
-    """Return a closure running forward + backward once, clearing leaf grads first.
+    """Return a closure running forward + backward once, clearing leaf grads first (it returns the outputs).
 
     Without `grads`, the upstream gradients are drawn once on the first call (random, ones for a
     scalar loss) and reused: filling a fresh [tokens, hidden] tensor on every call would add a
@@ -147,6 +147,7 @@ def fwd_bwd(forward: Callable[[], torch.Tensor | tuple], leaves: list[torch.Tens
             # empty_like keeps each output's strides (e.g. RoPE's transposed views), as a model's backward would.
             upstream = [torch.ones_like(o) if o.numel() == 1 else torch.empty_like(o).normal_(generator=gen) for o in outs]
         torch.autograd.backward(outs, upstream)
+        return outs
 
     return run
 

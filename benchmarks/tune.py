@@ -94,10 +94,11 @@ def kernel_ms(fn, steps: int = 10) -> float:
 
 
 def grads_of(case, impl):
+    """The outputs of one forward+backward and every leaf's gradient (fp32 copies)."""
     fn = fwd_bwd(case.impls[impl], case.leaves)
-    fn()
+    outs = fn()
     torch.cuda.synchronize()
-    return [t.grad.float().clone() for t in case.leaves if t.grad is not None]
+    return [o.detach().float().clone() for o in outs] + [t.grad.float().clone() for t in case.leaves if t.grad is not None]
 
 
 def rel_err(got, ref):
@@ -187,7 +188,7 @@ def main() -> int:
                 print(f"{op} {setting} failed: {type(exc).__name__}: {str(exc)[:100]}")
                 continue
             results.append((ms, err, setting))
-            print(f"{op} {setting} kernels {ms:.3f} ms (do_bench {wall:.3f} ms) grad rel err {err:.1e}", flush=True)
+            print(f"{op} {setting} kernels {ms:.3f} ms (do_bench {wall:.3f} ms) output/grad rel err {err:.1e}", flush=True)
         for n, v in defaults.items():
             setattr(module, n, v)
         results.sort(key=lambda r: r[0])
@@ -196,7 +197,7 @@ def main() -> int:
             summary.append((op, case.shape, default_ms, results[0][0], results[0][1], results[0][2]))
         del case, ref
         torch.cuda.empty_cache()
-    print("\n(ms: summed kernel device time per forward+backward, torch.profiler)\n| op | shape | default ms | best ms | grad rel err | best setting |\n|---|---|---|---|---|---|")
+    print("\n(ms: summed kernel device time per forward+backward, torch.profiler)\n| op | shape | default ms | best ms | output/grad rel err | best setting |\n|---|---|---|---|---|---|")
     for op, shape, d, b, e, s in summary:
         print(f"| {op} | {shape} | {d:.3f} | {b:.3f} | {e:.1e} | {s} |")
     return 0

@@ -428,25 +428,33 @@ def _ce_resident_kernel(
     # Per-element state is what limits a slice's length (registers), so lanes are compared with
     # per-program scalars: the slice's length, and the target's lane in it.
     lane = tl.arange(0, BLOCK_V)
-    mask_v = lane < tl.minimum(vocab_per_split, n_vocab - v_begin)
+    slice_len = tl.minimum(vocab_per_split, n_vocab - v_begin)
+    mask_v = lane < slice_len
     offs_s = tl.arange(0, SPLITS_POW2)
     mask_s = offs_s < N_SPLITS
+    x_slice = x_ptr + v_begin.to(tl.int64) * stride_xv + lane * stride_xv
+    x_next = tl.load(x_slice + tl.cast(group, tl.int64) * stride_xt,
+                     mask=lane < tl.where(group < n_tokens, slice_len, 0), other=0.0)
     for row in range(group, n_tokens, n_groups):
         row64 = tl.cast(row, tl.int64)  # (a Python int under the interpreter)
+        x = x_next
         target = tl.load(target_ptr + row)
         target_lane = target - v_begin  # outside [0, BLOCK_V) unless this slice holds the target
-        x_row = x_ptr + row64 * stride_xt + v_begin.to(tl.int64) * stride_xv
-        x = tl.load(x_row + lane * stride_xv, mask=mask_v, other=0.0)
         z = tl.where(mask_v, _capped_logits(x.to(tl.float32), softcap, HAS_SOFTCAP), float("-inf"))
         part_max = tl.max(z, axis=0)  # finite: every split holds at least one class
         # Kept for the gradient, exp(z - lse) = e * exp(part_max - lse): one exp per logit, and
-        # the only per-element value (with x, under softcap) held while the group waits.
+        # with the next row's slice the only per-element values held while the group waits.
         e = tl.exp(z - part_max)
         part_sum = tl.sum(e, axis=0)
-        part_target = tl.sum(tl.where(lane == target_lane, z, 0.0), axis=0)
+        part_target = tl.sum(tl.where(mask_v & (lane == target_lane), z, 0.0), axis=0)
         part_z = 0.0
         if HAS_SMOOTHING:
             part_z = tl.sum(tl.where(mask_v, z, 0.0), axis=0)
+        # The next row's slice is read while this one's statistics are exchanged and its gradient
+        # written: the only way to keep loads in flight in a program that waits for others.
+        next_row = row + n_groups
+        x_next = tl.load(x_slice + tl.cast(next_row, tl.int64) * stride_xt,
+                         mask=lane < tl.where(next_row < n_tokens, slice_len, 0), other=0.0)
 
         parts = parts_ptr + row64 * (4 * SPLITS_POW2)
         if N_SPLITS > 1:

@@ -113,7 +113,7 @@ def scan_targets(target: torch.Tensor, n_classes: int, ignore_index: int, caller
         return inv_count
     if torch.cuda.is_current_stream_capturing():
         return inv_count
-    host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+    host = torch.empty(2, dtype=torch.int64, device="cpu", pin_memory=True)
     host.copy_(found, non_blocking=True)
     done = torch.cuda.Event()
     done.record()
