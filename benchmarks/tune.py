@@ -28,19 +28,20 @@ from common import fwd_bwd, time_ms  # noqa: E402
 
 from fuseforge.ops import cross_entropy, glu, rope, rowwise  # noqa: E402
 
-ROWWISE = {
-    "GPU_ELEMENTS_PER_THREAD": [8, 16, 32],
-    "GPU_BWD_PROGRAMS_PER_SM": [1, 2, 4],
+ROWWISE = {  # (rows narrower than rowwise.GPU_WIDE_ROW, wider rows)
+    "GPU_ELEMENTS_PER_THREAD": [(8, 8), (16, 16), (32, 32), (32, 16)],
+    "GPU_BWD_PROGRAMS_PER_SM": [(1, 1), (2, 2), (4, 4), (2, 1)],
 }
-# The one-launch (resident) kernel: (classes per slice, warps, programs per SM), i.e. elements per
-# thread held in registers and slices in flight per SM; one extra setting runs the split kernels.
-_RESIDENT = [
-    (4096, 4, 4), (4096, 4, 8), (8192, 4, 2), (8192, 8, 2), (8192, 8, 3), (8192, 8, 4), (8192, 16, 2),
-    (16384, 8, 1), (16384, 8, 2), (16384, 16, 1), (16384, 16, 2), (16384, 32, 1), (32768, 16, 1),
+# The one-launch (resident) kernel: elements per thread held in registers, slices in flight per SM;
+# one extra setting runs the split kernels.
+_RESIDENT = [  # (classes per slice, warps, programs per SM, register cap)
+    (4096, 4, 4, 128), (8192, 8, 1, None), (8192, 8, 2, 128), (16384, 8, 1, None), (16384, 16, 1, None),
+    (32768, 16, 1, None), (32768, 32, 1, None),
 ]
 CE_RESIDENT = [
-    dict(GRAD_IN_FORWARD=True, _GPU_RESIDENT_BLOCK_V=b, _GPU_RESIDENT_NUM_WARPS=w, _GPU_RESIDENT_PROGRAMS_PER_SM=p)
-    for b, w, p in _RESIDENT
+    dict(GRAD_IN_FORWARD=True, _GPU_RESIDENT_BLOCK_V=b, _GPU_RESIDENT_NUM_WARPS=w, _GPU_RESIDENT_PROGRAMS_PER_SM=p,
+         _GPU_RESIDENT_MAXNREG=r)
+    for b, w, p, r in _RESIDENT
 ] + [dict(GRAD_IN_FORWARD=False)]
 
 

@@ -64,7 +64,7 @@ def test_multi_tile_persistent_path(monkeypatch, device):
     monkeypatch.setattr(rowwise, "INTERPRETER_ROW_BLOCK", 4)
     monkeypatch.setattr(rowwise, "GPU_MAX_ROW_BLOCK", 4)
     monkeypatch.setattr(rowwise, "num_programs_hint", lambda _device: 3)
-    monkeypatch.setattr(rowwise, "GPU_BWD_PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(rowwise, "GPU_BWD_PROGRAMS_PER_SM", (1, 1))
     x = torch.randn(37, 100, device=device, requires_grad=True)
     weight, bias = make_affine(100, torch.float32, device)
     check_layer_norm(x, weight, bias)

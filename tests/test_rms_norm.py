@@ -149,7 +149,7 @@ def test_multi_tile_persistent_path(monkeypatch, device):
     monkeypatch.setattr(rowwise, "INTERPRETER_ROW_BLOCK", 4)
     monkeypatch.setattr(rowwise, "GPU_MAX_ROW_BLOCK", 4)
     monkeypatch.setattr(rowwise, "num_programs_hint", lambda _device: 3)
-    monkeypatch.setattr(rowwise, "GPU_BWD_PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(rowwise, "GPU_BWD_PROGRAMS_PER_SM", (1, 1))
     plan = rowwise.plan_row_tiles(37, 100, torch.device(device), persistent=True)
     assert (plan.row_block, plan.num_programs, plan.tiles_per_program) == (4, 3, 4)
     x, weight = make_inputs((37, 100), torch.bfloat16, device)

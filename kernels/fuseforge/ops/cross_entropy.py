@@ -67,6 +67,8 @@ GRAD_IN_FORWARD = True
 _GPU_RESIDENT_BLOCK_V = 16384
 _GPU_RESIDENT_NUM_WARPS = 8
 _GPU_RESIDENT_PROGRAMS_PER_SM = 2
+# Register cap per thread (None: the compiler's choice), so that PROGRAMS_PER_SM programs fit on an SM.
+_GPU_RESIDENT_MAXNREG = None
 # More slices per row than this and the row goes to the split kernels instead.
 MAX_RESIDENT_SPLITS = 64
 
@@ -398,9 +400,23 @@ def _ce_grad_kernel(
 
 
 @triton.jit
+def _pack_pair(low, high):
+    """Two fp32 values in one int64 word (low in bits 0-31), so one 64-bit access moves both."""
+    lo = low.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    return (high.to(tl.int32, bitcast=True).to(tl.int64) << 32) | lo
+
+
+@triton.jit
+def _unpack_pair(word):
+    """The inverse of _pack_pair: (low, high) as fp32."""
+    low = (word & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    high = (word >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    return low, high
+
+
+@triton.jit
 def _ce_resident_kernel(
-    x_ptr, stride_xt, stride_xv, g_ptr, stride_gt, stride_gv, target_ptr, loss_ptr, lse_ptr, scale_ptr,
-    parts_ptr, arrivals_ptr,
+    x_ptr, stride_xt, stride_xv, g_ptr, stride_gt, stride_gv, target_ptr, loss_ptr, lse_ptr, scale_ptr, parts_ptr,
     n_tokens, n_vocab, vocab_per_split, ignore_index, label_smoothing, z_loss_scale, softcap,
     HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
     SCALE_PER_ROW: tl.constexpr, N_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK_V: tl.constexpr,
@@ -409,15 +425,18 @@ def _ce_resident_kernel(
 
     A row is cut into N_SPLITS slices of at most BLOCK_V classes, one per program of a group
     of N_SPLITS consecutive programs; each group walks rows group, group + n_groups, ...
-    A program keeps its slice in registers, publishes the slice's (max, sum of exp(z - max),
-    sum of z, target logit) in parts [rows, 4, SPLITS_POW2], counts itself in arrivals[row],
-    waits until the whole group has arrived, merges the N_SPLITS statistics into the row's
-    lse, and writes its slice of the gradient from the registers: one HBM read and one write
-    per element, where a two-sweep kernel reads every element twice.
+    A program keeps its slice in registers (as exp(z - slice max)), publishes the slice's
+    (max, sum of exp) as one 64-bit word in parts[row, 0, split] (and, with label smoothing,
+    (sum of z, 1.0) in parts[row, 1, split]), polls the row's words until all N_SPLITS are
+    there, merges them into the row's lse, and writes its slice of the gradient from the
+    registers: one HBM read and one write per logit, where a two-sweep kernel reads it twice.
+    The word is its own flag (a sum of exp is >= 1, so a written word is never 0): no counter,
+    no fence, one round trip to L2 to publish and one to collect. The slice holding the target
+    writes the row's loss and lse (split 0 does for ignored and bad targets).
 
     The wait is safe because a group's membership is fixed: programs are dispatched in order,
     so a group is resident together, and one that waits only waits for its own members.
-    arrivals must be zero at launch. Under the interpreter (programs run one after another)
+    parts must be zero at launch. Under the interpreter (programs run one after another)
     N_SPLITS must be 1.
     """
     pid = tl.program_id(0)
@@ -439,57 +458,57 @@ def _ce_resident_kernel(
         row64 = tl.cast(row, tl.int64)  # (a Python int under the interpreter)
         x = x_next
         target = tl.load(target_ptr + row)
-        target_lane = target - v_begin  # outside [0, BLOCK_V) unless this slice holds the target
+        target_lane = target - v_begin  # outside [0, slice_len) unless this slice holds the target
         z = tl.where(mask_v, _capped_logits(x.to(tl.float32), softcap, HAS_SOFTCAP), float("-inf"))
         part_max = tl.max(z, axis=0)  # finite: every split holds at least one class
         # Kept for the gradient, exp(z - lse) = e * exp(part_max - lse): one exp per logit, and
         # with the next row's slice the only per-element values held while the group waits.
         e = tl.exp(z - part_max)
         part_sum = tl.sum(e, axis=0)
-        part_target = tl.sum(tl.where(mask_v & (lane == target_lane), z, 0.0), axis=0)
-        part_z = 0.0
+        target_logit = tl.sum(tl.where(mask_v & (lane == target_lane), z, 0.0), axis=0)
+        logit_sum = 0.0
         if HAS_SMOOTHING:
-            part_z = tl.sum(tl.where(mask_v, z, 0.0), axis=0)
+            logit_sum = tl.sum(tl.where(mask_v, z, 0.0), axis=0)
         # The next row's slice is read while this one's statistics are exchanged and its gradient
         # written: the only way to keep loads in flight in a program that waits for others.
         next_row = row + n_groups
         x_next = tl.load(x_slice + tl.cast(next_row, tl.int64) * stride_xt,
                          mask=lane < tl.where(next_row < n_tokens, slice_len, 0), other=0.0)
 
-        parts = parts_ptr + row64 * (4 * SPLITS_POW2)
         if N_SPLITS > 1:
-            tl.store(parts + split, part_max)
-            tl.store(parts + SPLITS_POW2 + split, part_sum)
-            tl.store(parts + 2 * SPLITS_POW2 + split, part_z)
-            tl.store(parts + 3 * SPLITS_POW2 + split, part_target)
-            tl.debug_barrier()  # every thread's stores happen before the release below
-            arrived = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel", scope="gpu") + 1
-            while arrived < N_SPLITS:
-                arrived = tl.atomic_add(arrivals_ptr + row, 0, sem="acquire", scope="gpu")
-            tl.debug_barrier()
-            # .cg: from L2, never from a line this SM's L1 cached before the others wrote it.
-            all_max = tl.load(parts + offs_s, mask=mask_s, other=float("-inf"), cache_modifier=".cg")
-            all_sum = tl.load(parts + SPLITS_POW2 + offs_s, mask=mask_s, other=0.0, cache_modifier=".cg")
-            row_max = tl.max(all_max, axis=0)
-            lse = row_max + tl.log(tl.sum(all_sum * tl.exp(all_max - row_max), axis=0))
-            target_logit = tl.sum(tl.load(parts + 3 * SPLITS_POW2 + offs_s, mask=mask_s, other=0.0,
-                                          cache_modifier=".cg"), axis=0)
-            logit_sum = 0.0
+            words = parts_ptr + row64 * (2 * SPLITS_POW2)
+            tl.atomic_xchg(words + split, _pack_pair(part_max, part_sum), sem="relaxed", scope="gpu")
             if HAS_SMOOTHING:
-                logit_sum = tl.sum(tl.load(parts + 2 * SPLITS_POW2 + offs_s, mask=mask_s, other=0.0,
-                                           cache_modifier=".cg"), axis=0)
+                tl.atomic_xchg(words + SPLITS_POW2 + split, _pack_pair(tl.cast(1.0, tl.float32), logit_sum), sem="relaxed", scope="gpu")
+            stats = tl.load(words + offs_s, mask=mask_s, other=1, volatile=True)
+            missing = tl.sum((stats == 0).to(tl.int32), axis=0)
+            if HAS_SMOOTHING:
+                sums = tl.load(words + SPLITS_POW2 + offs_s, mask=mask_s, other=1, volatile=True)
+                missing += tl.sum((sums == 0).to(tl.int32), axis=0)
+            while missing > 0:
+                stats = tl.load(words + offs_s, mask=mask_s, other=1, volatile=True)
+                missing = tl.sum((stats == 0).to(tl.int32), axis=0)
+                if HAS_SMOOTHING:
+                    sums = tl.load(words + SPLITS_POW2 + offs_s, mask=mask_s, other=1, volatile=True)
+                    missing += tl.sum((sums == 0).to(tl.int32), axis=0)
+            all_max, all_sum = _unpack_pair(stats)
+            all_max = tl.where(mask_s, all_max, float("-inf"))
+            row_max = tl.max(all_max, axis=0)
+            lse = row_max + tl.log(tl.sum(tl.where(mask_s, all_sum, 0.0) * tl.exp(all_max - row_max), axis=0))
+            if HAS_SMOOTHING:
+                logit_sum = tl.sum(tl.where(mask_s, _unpack_pair(sums)[1], 0.0), axis=0)
         else:
             lse = part_max + tl.log(part_sum)
-            target_logit = part_target
-            logit_sum = part_z
 
         loss = _token_loss(
             lse, target_logit, logit_sum, target, n_vocab, ignore_index, label_smoothing, z_loss_scale,
             HAS_SMOOTHING, HAS_Z_LOSS,
         )
+        in_vocab = (target >= 0) & (target < n_vocab)
+        writer = tl.where(in_vocab, target // vocab_per_split, 0)  # the split holding the target, else 0
         tl.store(loss_ptr + row, tl.where(target_is_bad(target, n_vocab, ignore_index), float("nan"), loss),
-                 mask=split == 0)
-        tl.store(lse_ptr + row, lse, mask=split == 0)
+                 mask=split == writer)
+        tl.store(lse_ptr + row, lse, mask=split == writer)
 
         valid = target != ignore_index
         if SCALE_PER_ROW:
@@ -668,19 +687,18 @@ def ce_fused_loss_and_grad(
         ce_write_grad(logits, target, lse, scale, opts, out=out)
         return loss, lse
     splits_pow2 = triton.next_power_of_2(tiling.n_splits)
-    if tiling.n_splits > 1:
-        parts = torch.empty(n_tokens, 4, splits_pow2, dtype=torch.float32, device=logits.device)
-        arrivals = torch.zeros(n_tokens, dtype=torch.int32, device=logits.device)
-    else:  # nothing to exchange: the kernel never touches them
-        parts, arrivals = lse, target
+    if tiling.n_splits > 1:  # the exchange words, zero = not yet written
+        parts = torch.zeros(n_tokens, 2, splits_pow2, dtype=torch.int64, device=logits.device)
+    else:  # nothing to exchange: the kernel never touches it
+        parts = target
     _ce_resident_kernel[(tiling.n_groups * tiling.n_splits,)](
-        logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1), target, loss, lse, scale,
-        parts, arrivals,
+        logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1), target, loss, lse, scale, parts,
         n_tokens, n_vocab, tiling.vocab_per_split, opts.ignore_index, opts.label_smoothing, opts.z_loss_scale,
         opts.softcap if opts.softcap is not None else 1.0,
         HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0.0,
         HAS_Z_LOSS=opts.z_loss_scale > 0.0, SCALE_PER_ROW=scale.numel() != 1,
         N_SPLITS=tiling.n_splits, SPLITS_POW2=splits_pow2, BLOCK_V=tiling.block_v, num_warps=tiling.num_warps,
+        **({"maxnreg": _GPU_RESIDENT_MAXNREG} if _GPU_RESIDENT_MAXNREG and not is_interpreter() else {}),
     )
     return loss, lse
 

@@ -20,10 +20,15 @@ from fuseforge.ops.utils import MAX_FUSED_SIZE, is_interpreter, num_programs_hin
 # GPU: a tile holds about this many elements (one 4096-wide row, four 1024-wide rows, ...).
 GPU_TILE_ELEMENTS = 4096
 GPU_MAX_ROW_BLOCK = 32
-# Elements per thread per tensor: 16 bf16 = two 16-byte loads, few enough registers for several programs per SM.
-GPU_ELEMENTS_PER_THREAD = 16
-# Persistent backward: resident programs per SM, and loop stages so the next tile's loads overlap this tile's math.
-GPU_BWD_PROGRAMS_PER_SM = 4
+# Elements per thread per tensor and persistent-backward programs per SM, as (rows narrower than
+# GPU_WIDE_ROW, wider rows). Swept on the H200 at 4096x1024, 16384x4096 and 2048x16384 (benchmarks/
+# RESULTS.md, session 3): narrow rows want few warps per program (32 bf16 = four 16-byte loads per
+# thread) and 2 backward programs per SM; wide rows 16 elements (32 spill in LayerNorm's backward)
+# and 1 program per SM (half as many [programs, N] partial sums to write and reduce).
+GPU_WIDE_ROW = 8192
+GPU_ELEMENTS_PER_THREAD = (32, 16)
+GPU_BWD_PROGRAMS_PER_SM = (2, 1)
+# Loop stages of the persistent backward, so the next tile's loads overlap this tile's math.
 GPU_BWD_STAGES = 2
 # Interpreter: ~3.5 ms per program instance, while a tile's cost barely grows with its rows,
 # so tiles are as tall as this (NOTES: 64 rows per program is ~20x faster than one).
@@ -58,8 +63,10 @@ def plan_row_tiles(n_rows: int, n_cols: int, device: torch.device, *, persistent
         row_block = max(1, min(row_block, INTERPRETER_MAX_TILE_ELEMENTS // block_n))
         num_warps = row_launch_config(row_block * block_n)[1]
     else:
+        wide = block_n >= GPU_WIDE_ROW
         row_block = max(1, min(GPU_MAX_ROW_BLOCK, GPU_TILE_ELEMENTS // block_n))
-        num_warps = min(32, max(1, triton.next_power_of_2(row_block * block_n // (32 * GPU_ELEMENTS_PER_THREAD))))
+        per_thread = GPU_ELEMENTS_PER_THREAD[wide]
+        num_warps = min(32, max(1, triton.next_power_of_2(row_block * block_n // (32 * per_thread))))
     n_tiles = triton.cdiv(max(n_rows, 1), row_block)
     num_programs = n_tiles
     num_stages = 1
@@ -67,7 +74,7 @@ def plan_row_tiles(n_rows: int, n_cols: int, device: torch.device, *, persistent
         # A few resident programs per SM, each looping over an equal share of tiles, so
         # that the [programs, N] partial sums stay small.
         # (no more than fit at once: an SM holds 64 warps, and a second wave would idle half the GPU).
-        per_sm = 1 if is_interpreter() else max(1, min(GPU_BWD_PROGRAMS_PER_SM, 64 // num_warps))
+        per_sm = 1 if is_interpreter() else max(1, min(GPU_BWD_PROGRAMS_PER_SM[wide], 64 // num_warps))
         num_programs = min(n_tiles, num_programs_hint(device) * per_sm)
         num_stages = 1 if is_interpreter() else GPU_BWD_STAGES
     tiles_per_program = triton.cdiv(n_tiles, num_programs)
