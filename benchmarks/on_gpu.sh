@@ -33,6 +33,9 @@ for step in "$@"; do
             --shape 4096,1024 --shape 2048,16384 --shape 16384,4096 ;;
         run-headline) run_step "$step" python3 benchmarks/run.py --json "$OUT/headline.json" ;;
         run-ce) run_step "$step" python3 benchmarks/run.py --op cross_entropy --json "$OUT/ce.json" ;;
+        run-sweep-norms) run_step "$step" python3 benchmarks/run.py --sweep --op rms_norm --op layer_norm \
+            --op fused_add_rms_norm --json "$OUT/sweep-norms.json" ;;
+        run-sweep-ce) run_step "$step" python3 benchmarks/run.py --sweep --op cross_entropy --json "$OUT/sweep-ce.json" ;;
         run-sweep) run_step "$step" python3 benchmarks/run.py --sweep --op rms_norm --op layer_norm \
             --op fused_add_rms_norm --op cross_entropy --op swiglu --json "$OUT/sweep.json" ;;
         flce) run_step "$step" python3 benchmarks/bench_flce.py --impls fuseforge,liger ;;
