@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call, several named steps, each logged to $OUT/<step>.log (the device tool fetches $OUT).
-#   bash benchmarks/on_gpu.sh tests-kernels tune-ce run-headline ...
+#   bash benchmarks/on_gpu.sh tests-kernels tune-norms run-headline ...
 # Liger-Kernel comes from carried wheels in .whl/ when present. Steps are listed in the case below.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,13 +22,11 @@ run_step() {
 }
 for step in "$@"; do
     case "$step" in
-        smoke-ce) run_step "$step" python3 benchmarks/ce_smoke.py ;;
         tests-kernels) run_step "$step" python3 -m pytest -q -x -p no:cacheprovider tests/test_cross_entropy.py \
             tests/test_fused_linear_cross_entropy.py tests/test_rms_norm.py tests/test_layer_norm.py tests/test_bad_inputs.py ;;
         tests-all-kernels) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_cross_entropy.py \
             tests/test_fused_linear_cross_entropy.py tests/test_rms_norm.py tests/test_layer_norm.py tests/test_bad_inputs.py \
             tests/test_glu.py tests/test_rope.py tests/test_jsd.py tests/test_kl_div.py tests/test_transformers_patching.py ;;
-        tune-ce) run_step "$step" python3 benchmarks/tune.py --op cross_entropy --op ce_chunk ;;
         tune-norms) run_step "$step" python3 benchmarks/tune.py --op rms_norm --op layer_norm \
             --shape 4096,1024 --shape 2048,16384 --shape 16384,4096 ;;
         run-headline) run_step "$step" python3 benchmarks/run.py --json "$OUT/headline.json" ;;

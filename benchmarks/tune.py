@@ -26,25 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run  # noqa: E402
 from common import fwd_bwd, time_ms  # noqa: E402
 
-from fuseforge.ops import cross_entropy, glu, rope, rowwise  # noqa: E402
+from fuseforge.ops import glu, rope, rowwise  # noqa: E402
 
 ROWWISE = {  # (rows narrower than rowwise.GPU_WIDE_ROW, wider rows)
     "GPU_ELEMENTS_PER_THREAD": [(8, 8), (16, 16), (32, 32), (32, 16)],
     "GPU_BWD_PROGRAMS_PER_SM": [(1, 1), (2, 2), (4, 4), (2, 1)],
 }
-# The one-launch (resident) kernel: elements per thread held in registers, slices in flight per SM;
-# one extra setting runs the split kernels.
-_RESIDENT = [  # (classes per slice, warps, programs per SM, register cap)
-    (4096, 4, 4, 128), (8192, 8, 1, None), (8192, 8, 2, 128), (16384, 8, 1, None), (16384, 16, 1, None),
-    (32768, 16, 1, None), (32768, 32, 1, None),
-]
-CE_RESIDENT = [
-    dict(GRAD_IN_FORWARD=True, _GPU_RESIDENT_BLOCK_V=b, _GPU_RESIDENT_NUM_WARPS=w, _GPU_RESIDENT_PROGRAMS_PER_SM=p,
-         _GPU_RESIDENT_MAXNREG=r)
-    for b, w, p, r in _RESIDENT
-] + [dict(GRAD_IN_FORWARD=False)]
-
-
 # op -> (module, {constant: values} (every combination) or [settings], optional same_as(setting) -> key of
 # equivalent settings)
 GRIDS = {
@@ -54,13 +41,10 @@ GRIDS = {
     "swiglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}, None),
     "geglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}, None),
     "rope": (rope, {"_GPU_TILE": [1024, 2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [4, 8, 16, 32]}, None),
-    "cross_entropy": (cross_entropy, CE_RESIDENT, None),
-    # cross_entropy forward+backward on one fused_linear_cross_entropy chunk (256 tokens, Llama-3 vocabulary)
-    "ce_chunk": (cross_entropy, CE_RESIDENT, None),
 }
 
 # Ops tuned at a shape run.OPS has no entry for: op -> (run.OPS entry whose builder to use, shape).
-EXTRA_CASES = {"ce_chunk": ("cross_entropy", (256, 128256))}
+EXTRA_CASES: dict = {}
 
 
 def builder_and_shape(op: str):
@@ -88,8 +72,7 @@ def kernel_ms(fn, steps: int = 10) -> float:
     """GPU time of one step: the device time of every kernel it launches, summed.
 
     What tuning is about: on this VM each launch costs ~50 us of host time, which hides small
-    kernels from do_bench, and a step with a host sync (the cross-entropy target check) cannot
-    be replayed from a CUDA graph.
+    kernels from do_bench.
     """
     return sum(getattr(e, "self_device_time_total", 0) for e in kernel_events(fn, steps)) / 1e3 / steps
 

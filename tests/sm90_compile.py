@@ -83,13 +83,6 @@ def main() -> int:
             compile_for_sm90(ce._ce_grad_kernel, {**data("x_ptr", "g_ptr"), "target_ptr": i64, "lse_ptr": f32,
                                                   "scale_ptr": f32}, dt,
                              dict(HAS_SOFTCAP=softcap, SCALE_PER_ROW=softcap, BLOCK_T=1, BLOCK_V=4096))
-            for n_splits in (1, 8):
-                compile_for_sm90(ce._ce_resident_kernel, {**data("x_ptr", "g_ptr"), "target_ptr": i64, "loss_ptr": f32,
-                                                          "lse_ptr": f32, "scale_ptr": f32, "parts_ptr": i64}, dt,
-                                 dict(HAS_SOFTCAP=softcap, HAS_SMOOTHING=softcap, HAS_Z_LOSS=softcap,
-                                      SCALE_PER_ROW=softcap, N_SPLITS=n_splits, SPLITS_POW2=n_splits,
-                                      BLOCK_V=ce._GPU_RESIDENT_BLOCK_V),
-                                 num_warps=ce._GPU_RESIDENT_NUM_WARPS)
             compile_for_sm90(vm._grad_kernel, {**data("x_ptr"), "target_ptr": i64, "lse_ptr": f32, "scale_ptr": f32},
                              dt, dict(HAS_SOFTCAP=softcap, SCALE_PER_TOKEN=softcap, BLOCK_T=64, BLOCK_V=64))
         compile_for_sm90(scaling._scale_unless_one_kernel, {**data("x_ptr"), "factor_ptr": dt}, dt,

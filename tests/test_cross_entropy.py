@@ -1,17 +1,13 @@
 """fuseforge cross_entropy on logits vs a float64 torch reference (loss, grads, options, errors)."""
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-import fuseforge.ops.cross_entropy as ce_module
 from ce_reference import random_targets, reference_cross_entropy, reference_lse
 from fuseforge.modules.losses import CrossEntropyLoss
 from fuseforge.ops.cross_entropy import (
     LossOptions,
     ce_forward_stats,
-    ce_fused_loss_and_grad,
     ce_write_grad,
     cross_entropy,
 )
@@ -29,36 +25,13 @@ def _tensors_on_test_device(device):
     torch.set_default_device(None)
 
 
-@pytest.fixture(params=[True, False], ids=["grad_in_forward", "grad_in_backward"])
-def path(request, monkeypatch):
-    """Run a test on both paths of cross_entropy (GRAD_IN_FORWARD on/off), recording one-launch kernel calls."""
-    launches = []
-    original = ce_module.ce_fused_loss_and_grad
-
-    def spy(logits, *args, **kwargs):
-        launches.append(tuple(logits.shape))
-        return original(logits, *args, **kwargs)
-
-    monkeypatch.setattr(ce_module, "GRAD_IN_FORWARD", request.param)
-    monkeypatch.setattr(ce_module, "ce_fused_loss_and_grad", spy)
-    return SimpleNamespace(grad_in_forward=request.param, launches=launches)
-
-
-def _check_path(path, reduction):
-    """The one-launch kernel ran exactly when it should: scalar loss, gradient wanted, switch on."""
-    if path is not None:
-        expected = path.grad_in_forward and reduction != "none"
-        assert bool(path.launches) == expected, f"one-launch kernel calls: {path.launches}"
-
-
-def _run(logits, target, reduction="mean", upstream=None, path=None, **options):
+def _run(logits, target, reduction="mean", upstream=None, **options):
     """Loss and logits-grad of fuseforge (on `logits`) and of the float64 reference."""
     x = logits.detach().clone().requires_grad_()
     loss = cross_entropy(x, target, reduction=reduction, **options)
     if upstream is None:
         upstream = torch.randn(loss.shape, dtype=torch.float64) if reduction == "none" else torch.tensor(0.75)
     loss.backward(upstream.to(loss.dtype))
-    _check_path(path, reduction)
     ref_x = logits.detach().double().requires_grad_()
     ref = reference_cross_entropy(ref_x, target.long(), reduction=reduction, **options)
     ref.backward(upstream.double())
@@ -67,10 +40,10 @@ def _run(logits, target, reduction="mean", upstream=None, path=None, **options):
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("n, v", [(1, 1), (7, 33), (37, 4097)])
-def test_matches_torch(n, v, reduction, device, path):
+def test_matches_torch(n, v, reduction, device):
     logits = torch.randn(n, v, device=device) * 3
     target = random_targets(n, v).to(device)
-    loss, grad, ref, ref_grad = _run(logits, target, reduction, path=path, label_smoothing=0.1)
+    loss, grad, ref, ref_grad = _run(logits, target, reduction, label_smoothing=0.1)
     assert loss.dtype == logits.dtype
     assert_close(loss, ref, torch.float32)
     assert_close(grad, ref_grad, torch.float32)
@@ -86,31 +59,31 @@ def test_matches_torch(n, v, reduction, device, path):
         dict(label_smoothing=0.1, z_loss_scale=1e-3, softcap=30.0, ignore_index=5),
     ],
 )
-def test_options(options, reduction, path):
+def test_options(options, reduction):
     n, v = 37, 1000
     target = random_targets(n, v, ignore_index=options.get("ignore_index", -100))
-    loss, grad, ref, ref_grad = _run(torch.randn(n, v) * 4, target, reduction, path=path, **options)
+    loss, grad, ref, ref_grad = _run(torch.randn(n, v) * 4, target, reduction, **options)
     assert_close(loss, ref, torch.float32)
     assert_close(grad, ref_grad, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_low_precision(dtype, reduction, path):
+def test_low_precision(dtype, reduction):
     n, v = 37, 1000
     logits = (torch.randn(n, v) * 3).to(dtype)  # the reference sees the same rounded values
     options = dict(label_smoothing=0.1, z_loss_scale=1e-3, softcap=20.0)
-    loss, grad, ref, ref_grad = _run(logits, random_targets(n, v), reduction, path=path, **options)
+    loss, grad, ref, ref_grad = _run(logits, random_targets(n, v), reduction, **options)
     assert loss.dtype == dtype and grad.dtype == dtype
     assert_close(loss, ref, dtype)
     assert_close(grad, ref_grad, dtype)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_all_ignored_gives_zero_not_nan(reduction, path):
+def test_all_ignored_gives_zero_not_nan(reduction):
     logits = torch.randn(7, 33)
     target = torch.full((7,), -100)
-    loss, grad, _, _ = _run(logits, target, reduction, path=path, label_smoothing=0.2, z_loss_scale=1e-2)
+    loss, grad, _, _ = _run(logits, target, reduction, label_smoothing=0.2, z_loss_scale=1e-2)
     assert torch.count_nonzero(loss) == 0 and not torch.isnan(loss).any()
     assert torch.count_nonzero(grad) == 0
 
@@ -131,33 +104,13 @@ def test_large_logits_are_stable(scale):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU tile shapes (the interpreter uses its own)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_rows_of_many_tiles(dtype, path):
+def test_gpu_rows_of_many_tiles(dtype):
     n, v = 19, 50001  # rows of several _GPU_FUSED_BLOCK_V tiles, the last one ragged
     logits = (torch.randn(n, v) * 3).to(dtype)
     options = dict(label_smoothing=0.1, z_loss_scale=1e-3, softcap=30.0)
-    loss, grad, ref, ref_grad = _run(logits, random_targets(n, v), "sum", path=path, **options)
+    loss, grad, ref, ref_grad = _run(logits, random_targets(n, v), "sum", **options)
     assert_close(loss, ref, dtype, scale=4.0)  # a sum of 19 losses
     assert_close(grad, ref_grad, dtype)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="programs of a row wait for each other: GPU only")
-@pytest.mark.parametrize("block_v, warps, per_sm", [(1024, 4, 1), (2048, 4, 3), (4096, 8, 2), (16384, 8, 2)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_resident_kernel_slice_counts(block_v, warps, per_sm, dtype, monkeypatch):
-    """Rows split over 13, 7, 4 and 1 programs (ragged last slice, odd counts, fewer groups than
-    rows, several rows per group) give the reference loss and gradient; the split count is checked."""
-    monkeypatch.setattr(ce_module, "_GPU_RESIDENT_BLOCK_V", block_v)
-    monkeypatch.setattr(ce_module, "_GPU_RESIDENT_NUM_WARPS", warps)
-    monkeypatch.setattr(ce_module, "_GPU_RESIDENT_PROGRAMS_PER_SM", per_sm)
-    n, v = 1001, 12345
-    tiling = ce_module.resident_tiling(n, v, torch.device("cuda"))
-    assert tiling.n_splits == -(-v // block_v) and tiling.n_groups * tiling.n_splits <= 132 * per_sm
-    logits = (torch.randn(n, v) * 3).to(dtype)
-    options = dict(label_smoothing=0.1, z_loss_scale=1e-3, softcap=30.0)
-    for reduction in ("mean", "sum"):
-        loss, grad, ref, ref_grad = _run(logits, random_targets(n, v), reduction, **options)
-        assert_close(loss, ref, dtype, scale=8.0 if reduction == "sum" else 1.0)
-        assert_close(grad, ref_grad, dtype)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the deferred check exists on CUDA devices")
@@ -181,7 +134,7 @@ def test_gpu_bad_target_is_nan_now_and_raises_later():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graph_capture_of_forward_and_backward(path):
+def test_cuda_graph_capture_of_forward_and_backward():
     """No host sync in forward or backward (grad_output is applied on the device while capturing)."""
     n, v = 9, 3000
     logits = (torch.randn(n, v) * 3).requires_grad_()
@@ -205,7 +158,6 @@ def test_cuda_graph_capture_of_forward_and_backward(path):
     logits.data.mul_(0.5)  # new values in the captured input buffer
     graph.replay()
     torch.cuda.synchronize()
-    _check_path(path, "mean")
     ref_x = logits.detach().double().requires_grad_()
     ref = reference_cross_entropy(ref_x, target, label_smoothing=0.1)
     (ref * 2.5).backward()
@@ -214,9 +166,9 @@ def test_cuda_graph_capture_of_forward_and_backward(path):
 
 
 @pytest.mark.parametrize("per_token_scale", [True, False])
-def test_vocab_splits_layouts_and_one_launch_kernel_agree(per_token_scale):
-    """The split-vocabulary merge, strided (vocab-major) addressing and the one-launch kernel
-    (also writing in place, and from a padded-row view) all give the reference result."""
+def test_vocab_splits_and_layouts_agree(per_token_scale):
+    """The split-vocabulary merge, strided (vocab-major) addressing and the gradient written in
+    place (also from a padded-row view) all give the reference result."""
     n, v = 21, 3000
     opts = LossOptions(label_smoothing=0.1, z_loss_scale=1e-2, softcap=10.0)
     logits = torch.randn(n, v) * 3
@@ -229,10 +181,9 @@ def test_vocab_splits_layouts_and_one_launch_kernel_agree(per_token_scale):
         loss, lse = ce_forward_stats(x, target, opts, n_splits=splits)
         grad = ce_write_grad(x, target, lse, scale, opts, out=torch.empty(n, v), n_splits=splits)
         results.append((loss, lse, grad))
-    for x, out in [(logits, torch.empty(n, v)), (transposed, torch.empty(n, v)), (padded.clone(), None)]:
-        out = x if out is None else out  # in place: every tile read before it is overwritten
-        loss, lse = ce_fused_loss_and_grad(x, target, opts, scale, out=out)
-        results.append((loss, lse, out))
+    for x in (logits.clone(), padded.clone()):  # in place: every tile read before it is overwritten
+        loss, lse = ce_forward_stats(x, target, opts)
+        results.append((loss, lse, ce_write_grad(x, target, lse, scale, opts, out=x)))
     ref_x = logits.double().requires_grad_()
     ref = reference_cross_entropy(ref_x, target, reduction="none", label_smoothing=0.1, z_loss_scale=1e-2, softcap=10.0)
     ref.backward(scale.double().expand(n))
@@ -265,8 +216,9 @@ def test_target_logit_in_last_split_and_partial_tile(target_is_row_max):
     vocab_major = (torch.empty(n), torch.empty(n))
     vocab_major_loss_and_lse(transposed, target, opts, *vocab_major)
     results.append(vocab_major)
-    grad = torch.empty(n, v)
-    results.append(ce_fused_loss_and_grad(logits, target, opts, scale, out=grad))
+    loss, lse = ce_forward_stats(logits, target, opts)
+    results.append((loss, lse))
+    grad = ce_write_grad(logits, target, lse, scale, opts, out=torch.empty(n, v))
     ref_x = logits.double().requires_grad_()
     ref = reference_cross_entropy(ref_x, target, reduction="none", label_smoothing=0.1, z_loss_scale=1e-3, softcap=4.0)
     ref.backward(scale.double().expand(n))
@@ -288,17 +240,16 @@ def test_leading_dims_and_return_lse():
     assert not lse.requires_grad
 
 
-def test_default_never_touches_logits(path):
+def test_default_never_touches_logits():
     x = torch.randn(7, 33, requires_grad=True)
     logits = x * 2
     before = logits.detach().clone()
     cross_entropy(logits, random_targets(7, 33)).backward()
-    _check_path(path, "mean")
     assert torch.equal(logits.detach(), before)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_inplace_grad_reuses_buffer_and_flags_stale_users(reduction, path):
+def test_inplace_grad_reuses_buffer_and_flags_stale_users(reduction):
     x = torch.randn(7, 33, requires_grad=True)
     logits = x * 2
     target = random_targets(7, 33)
@@ -308,19 +259,17 @@ def test_inplace_grad_reuses_buffer_and_flags_stale_users(reduction, path):
     expected = torch.autograd.grad(ref, logits, upstream)[0]
     loss = cross_entropy(logits, target, reduction=reduction, label_smoothing=0.1, inplace_grad=True)
     (loss * upstream.float()).sum().backward(retain_graph=True)  # grad_output != 1
-    _check_path(path, reduction)
     assert_close(logits.detach(), expected, torch.float32)  # the buffer now holds the gradient
     assert_close(x.grad, 2 * expected, torch.float32)
     with pytest.raises(RuntimeError, match="inplace"):
         squares.sum().backward()
 
 
-def test_inplace_grad_on_leaf_falls_back_to_fresh_buffer(path):
+def test_inplace_grad_on_leaf_falls_back_to_fresh_buffer():
     logits = torch.randn(7, 33, requires_grad=True)
     target = random_targets(7, 33)
     before = logits.detach().clone()
     (cross_entropy(logits, target, inplace_grad=True) * 2.5).backward()
-    _check_path(path, "mean")
     assert torch.equal(logits.detach(), before)
     assert logits.grad.data_ptr() != logits.data_ptr()
     ref_x = before.double().requires_grad_()
@@ -329,7 +278,7 @@ def test_inplace_grad_on_leaf_falls_back_to_fresh_buffer(path):
 
 
 @pytest.mark.parametrize("inplace_grad", [False, True])
-def test_strided_token_major_logits(inplace_grad, path):
+def test_strided_token_major_logits(inplace_grad):
     """Rows padded in memory (a slice of a wider buffer), of a leaf or of a non-leaf written in place."""
     n, v = 13, 1500
     leaf = (torch.randn(n, v + 7) * 3).requires_grad_()
@@ -342,7 +291,6 @@ def test_strided_token_major_logits(inplace_grad, path):
     (ref * 2.5).backward()
     loss = cross_entropy(logits, target, z_loss_scale=1e-3, inplace_grad=inplace_grad)
     (loss * 2.5).backward()
-    _check_path(path, "mean")
     assert_close(loss, ref, torch.float32)
     assert_close(leaf.grad[:, 3 : v + 3], ref_x.grad, torch.float32)
     assert torch.count_nonzero(leaf.grad[:, :3]) == 0 and torch.count_nonzero(leaf.grad[:, v + 3 :]) == 0
@@ -350,20 +298,12 @@ def test_strided_token_major_logits(inplace_grad, path):
         assert_close(wide[:, 3 : v + 3].detach(), ref_x.grad, torch.float32)  # the buffer holds the gradient
 
 
-@pytest.mark.parametrize("path", [True], indirect=True, ids=["grad_in_forward"])
 @pytest.mark.parametrize(
-    "case, reduction, fused",
-    [
-        ("grad", "mean", True),
-        ("grad", "sum", True),
-        ("grad", "none", False),  # per-token grad_output only known in backward
-        ("no_grad_mode", "mean", False),
-        ("no_requires_grad", "mean", False),
-        ("vocab_major", "mean", False),  # transposed buffer: the split kernels tile it well
-    ],
+    "case, reduction",
+    [("grad", "mean"), ("grad", "none"), ("no_grad_mode", "mean"), ("no_requires_grad", "mean"), ("vocab_major", "mean")],
 )
-def test_path_selection(case, reduction, fused, path):
-    """Which kernels run (GRAD_IN_FORWARD on), and every path gives the reference loss and gradient."""
+def test_every_call_kind_matches_reference(case, reduction):
+    """Gradient wanted or not, per-token or scalar loss, token- or vocab-major logits."""
     n, v = 9, 300
     values = torch.randn(n, v) * 3
     target = random_targets(n, v)
@@ -372,7 +312,6 @@ def test_path_selection(case, reduction, fused, path):
     logits = leaf.t() if case == "vocab_major" else leaf
     with torch.set_grad_enabled(case != "no_grad_mode"):
         loss = cross_entropy(logits, target, reduction=reduction, softcap=8.0)
-    assert bool(path.launches) == fused
     ref_x = values.double().requires_grad_()
     ref = reference_cross_entropy(ref_x, target, reduction=reduction, softcap=8.0)
     assert_close(loss, ref, torch.float32)
@@ -438,9 +377,9 @@ def test_bad_inputs(logits, target, error, match, device, sync_target_check):
         cross_entropy(logits, target)
 
 
-def test_ignore_index_inside_vocab_is_not_an_error(path):
+def test_ignore_index_inside_vocab_is_not_an_error():
     target = torch.tensor([0, 2, 2, 4], dtype=torch.int32)  # any integer dtype is accepted
-    loss, grad, ref, ref_grad = _run(torch.randn(4, 5), target, "mean", path=path, ignore_index=2)
+    loss, grad, ref, ref_grad = _run(torch.randn(4, 5), target, "mean", ignore_index=2)
     assert_close(loss, ref, torch.float32)
     assert torch.count_nonzero(grad[1:3]) == 0
 
@@ -458,14 +397,13 @@ def test_strided_and_one_dimensional_logits():
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_unit_upstream_and_second_backward(reduction, device, path):
+def test_unit_upstream_and_second_backward(reduction, device):
     """The gradient for grad_output = 1, and again (scaled) from a retained graph."""
     logits = torch.randn(9, 300, device=device) * 3
     target = random_targets(9, 300).to(device)
     x = logits.clone().requires_grad_()
     loss = cross_entropy(x, target, reduction=reduction)
     loss.backward(retain_graph=True)
-    _check_path(path, reduction)
     first = x.grad.clone()
     x.grad = None
     loss.backward(torch.tensor(2.0, device=device))

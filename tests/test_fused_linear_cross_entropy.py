@@ -65,34 +65,23 @@ def _compare(hidden, weight, bias, target, reduction="mean", upstream=None, dtyp
     return loss, _grads(h, w, b)
 
 
-@pytest.fixture(params=[True, False], ids=["one_launch_chunk_ce", "split_chunk_ce"])
-def chunk_ce(request, monkeypatch):
-    """Run a test with token-major chunks on the one-launch CE kernel (FUSED_CHUNK_CE) and on the
-    split stats + gradient kernels; records which of them computed chunk gradients."""
-    calls = SimpleNamespace(fused=request.param, one_launch=[], split_grad=[])
+@pytest.fixture
+def chunk_ce(monkeypatch):
+    """Records the token-major chunks whose gradient the cross-entropy gradient kernel wrote."""
+    calls = SimpleNamespace(split_grad=[])
+    original = flce_module.ce_write_grad
 
-    def spy(name, record):
-        original = getattr(flce_module, name)
+    def call(logits, *args, **kwargs):
+        calls.split_grad.append(tuple(logits.shape))
+        return original(logits, *args, **kwargs)
 
-        def call(logits, *args, **kwargs):
-            record.append(tuple(logits.shape))
-            return original(logits, *args, **kwargs)
-
-        monkeypatch.setattr(flce_module, name, call)
-
-    spy("ce_fused_loss_and_grad", calls.one_launch)
-    spy("ce_write_grad", calls.split_grad)
-    monkeypatch.setattr(flce_module, "FUSED_CHUNK_CE", request.param)
+    monkeypatch.setattr(flce_module, "ce_write_grad", call)
     return calls
 
 
 def _check_chunk_ce(chunk_ce, chunks_expected=True):
-    """Chunk gradients came only from the kernels the switch selects (and some came, if expected)."""
-    used, unused = (chunk_ce.one_launch, chunk_ce.split_grad)
-    if not chunk_ce.fused:
-        used, unused = unused, used
-    assert unused == [], f"FUSED_CHUNK_CE={chunk_ce.fused} but the other kernels ran on chunks {unused}"
-    assert bool(used) == chunks_expected
+    """Token-major chunks got their gradient from the cross-entropy kernels exactly when expected."""
+    assert bool(chunk_ce.split_grad) == chunks_expected
 
 
 @pytest.fixture

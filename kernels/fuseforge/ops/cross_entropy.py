@@ -1,24 +1,21 @@
-"""Cross-entropy on logits: softmax statistics over the vocabulary (fp32), in two kernel designs.
+"""Cross-entropy on logits: online softmax over the vocabulary (fp32) in split-vocabulary kernels.
 
-Why two: a row of logits (128k-256k classes) is too long for one program to hold. Either
-programs walk it in tiles with a running max / sum-of-exp and read it again for the gradient,
-or a group of programs holds it between them and writes the gradient from registers.
+A row of logits (128k-256k classes) is too long for one program, and a chunk of a few hundred
+rows would not fill the GPU with one program per row, so the vocabulary of every row is split
+between programs: a statistics kernel walks each slice in tiles with a running max / sum of
+exp, a tiny finalize kernel merges the slices into the log-sum-exp and the per-token loss,
+and in backward a gradient kernel sweeps the logits again and writes dloss/dlogits, already
+multiplied by grad_output (into the logits' own buffer if asked). One design serves every
+case: scalar and per-token losses, forward-only calls, token- and vocab-major views, and
+fused_linear_cross_entropy's chunks.
 
-* Split path (ce_forward_stats, ce_write_grad): the vocabulary of every row is split
-  between programs, so that a chunk of a few hundred rows still fills the GPU; a tiny
-  finalize kernel merges the slices into the log-sum-exp and per-token loss, and a
-  gradient kernel, in backward, sweeps the logits again from HBM and writes dloss/dlogits
-  (into the logits' own buffer if asked). It serves reduction="none" (the per-token
-  upstream gradient is only known in backward), vocab-major views and forward-only calls.
-* One-launch path (ce_fused_loss_and_grad, _ce_resident_kernel): a group of programs
-  holds a row in registers, one slice each, exchanges the slices' statistics through a
-  small global buffer, and writes the gradient from the registers: the logits are read
-  once instead of twice. cross_entropy() takes it for a scalar loss whose logits need a
-  gradient (GRAD_IN_FORWARD); backward then only applies grad_output, on the device.
-  fused_linear_cross_entropy's chunks use it too (their gradient is needed in forward anyway).
+Why not one kernel that reads the logits once: a group of programs holding a row between
+them in registers and exchanging the slices' statistics was built and measured on an H200
+(session 3 in benchmarks/RESULTS.md): 2.2 ms at 8192 x 128256 against 1.70 ms for these
+kernels, whose three passes over HBM run at 3.7 TB/s; the group waits 4-9 us per row.
 
-Class indices are counted and range-checked on the device (ops/targets.py): no host sync in
-forward or backward on any path, so the GPU never waits for the CPU between kernels.
+Class indices are counted and range-checked on the device (ops/targets.py), so no path syncs
+with the host in forward or backward.
 
 All kernels take explicit strides, so they also run on a transposed view ([tokens, vocab]
 stored vocab-major), which fused_linear_cross_entropy relies on.
@@ -39,7 +36,6 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from fuseforge.ops.scaling import scale_unless_one
 from fuseforge.ops.targets import raise_pending_target_errors, scan_targets
 from fuseforge.ops.utils import (
     TRAINING_DTYPES,
@@ -55,23 +51,6 @@ from fuseforge.ops.utils import (
 # Per (vocab split, token) the stats kernel leaves: running max, sum of exp(z - max),
 # sum of z (label smoothing) and the target's logit (0 unless the split holds it).
 N_STATS = 4
-
-# Switch: compute cross_entropy()'s gradient in forward, with the one-launch kernel, where that is
-# possible (see _CrossEntropyFunction). Read at call time. On by default: it reads the logits once
-# where the split kernels read them twice (benchmarks/RESULTS.md, session 3).
-GRAD_IN_FORWARD = True
-
-# GPU launch of the one-launch kernel (_ce_resident_kernel): classes per row slice (a power of 2;
-# a slice lives in registers, so BLOCK_V / (32 * warps) elements per thread), warps per program,
-# and programs per SM (slices in flight). Read at call time, so that benchmarks/tune.py can sweep them.
-_GPU_RESIDENT_BLOCK_V = 16384
-_GPU_RESIDENT_NUM_WARPS = 8
-_GPU_RESIDENT_PROGRAMS_PER_SM = 2
-# Register cap per thread (None: the compiler's choice), so that PROGRAMS_PER_SM programs fit on an SM.
-_GPU_RESIDENT_MAXNREG = None
-# More slices per row than this and the row goes to the split kernels instead.
-MAX_RESIDENT_SPLITS = 64
-
 
 @dataclass(frozen=True)
 class LossOptions:
@@ -399,131 +378,6 @@ def _ce_grad_kernel(
     )
 
 
-@triton.jit
-def _pack_pair(low, high):
-    """Two fp32 values in one int64 word (low in bits 0-31), so one 64-bit access moves both."""
-    lo = low.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    return (high.to(tl.int32, bitcast=True).to(tl.int64) << 32) | lo
-
-
-@triton.jit
-def _unpack_pair(word):
-    """The inverse of _pack_pair: (low, high) as fp32."""
-    low = (word & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
-    high = (word >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    return low, high
-
-
-@triton.jit
-def _ce_resident_kernel(
-    x_ptr, stride_xt, stride_xv, g_ptr, stride_gt, stride_gv, target_ptr, loss_ptr, lse_ptr, scale_ptr, parts_ptr,
-    n_tokens, n_vocab, vocab_per_split, ignore_index, label_smoothing, z_loss_scale, softcap,
-    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, HAS_Z_LOSS: tl.constexpr,
-    SCALE_PER_ROW: tl.constexpr, N_SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """Loss, lse and g = scale * dloss/dlogits with ONE read of the logits; g may alias x.
-
-    A row is cut into N_SPLITS slices of at most BLOCK_V classes, one per program of a group
-    of N_SPLITS consecutive programs; each group walks rows group, group + n_groups, ...
-    A program keeps its slice in registers (as exp(z - slice max)), publishes the slice's
-    (max, sum of exp) as one 64-bit word in parts[row, 0, split] (and, with label smoothing,
-    (sum of z, 1.0) in parts[row, 1, split]), polls the row's words until all N_SPLITS are
-    there, merges them into the row's lse, and writes its slice of the gradient from the
-    registers: one HBM read and one write per logit, where a two-sweep kernel reads it twice.
-    The word is its own flag (a sum of exp is >= 1, so a written word is never 0): no counter,
-    no fence, one round trip to L2 to publish and one to collect. The slice holding the target
-    writes the row's loss and lse (split 0 does for ignored and bad targets).
-
-    The wait is safe because a group's membership is fixed: programs are dispatched in order,
-    so a group is resident together, and one that waits only waits for its own members.
-    parts must be zero at launch. Under the interpreter (programs run one after another)
-    N_SPLITS must be 1.
-    """
-    pid = tl.program_id(0)
-    group = pid // N_SPLITS
-    split = pid % N_SPLITS
-    n_groups = tl.num_programs(0) // N_SPLITS
-    v_begin = split * vocab_per_split
-    # Per-element state is what limits a slice's length (registers), so lanes are compared with
-    # per-program scalars: the slice's length, and the target's lane in it.
-    lane = tl.arange(0, BLOCK_V)
-    slice_len = tl.minimum(vocab_per_split, n_vocab - v_begin)
-    mask_v = lane < slice_len
-    offs_s = tl.arange(0, SPLITS_POW2)
-    mask_s = offs_s < N_SPLITS
-    x_slice = x_ptr + v_begin.to(tl.int64) * stride_xv + lane * stride_xv
-    x_next = tl.load(x_slice + tl.cast(group, tl.int64) * stride_xt,
-                     mask=lane < tl.where(group < n_tokens, slice_len, 0), other=0.0)
-    for row in range(group, n_tokens, n_groups):
-        row64 = tl.cast(row, tl.int64)  # (a Python int under the interpreter)
-        x = x_next
-        target = tl.load(target_ptr + row)
-        target_lane = target - v_begin  # outside [0, slice_len) unless this slice holds the target
-        z = tl.where(mask_v, _capped_logits(x.to(tl.float32), softcap, HAS_SOFTCAP), float("-inf"))
-        part_max = tl.max(z, axis=0)  # finite: every split holds at least one class
-        # Kept for the gradient, exp(z - lse) = e * exp(part_max - lse): one exp per logit, and
-        # with the next row's slice the only per-element values held while the group waits.
-        e = tl.exp(z - part_max)
-        part_sum = tl.sum(e, axis=0)
-        target_logit = tl.sum(tl.where(mask_v & (lane == target_lane), z, 0.0), axis=0)
-        logit_sum = 0.0
-        if HAS_SMOOTHING:
-            logit_sum = tl.sum(tl.where(mask_v, z, 0.0), axis=0)
-        # The next row's slice is read while this one's statistics are exchanged and its gradient
-        # written: the only way to keep loads in flight in a program that waits for others.
-        next_row = row + n_groups
-        x_next = tl.load(x_slice + tl.cast(next_row, tl.int64) * stride_xt,
-                         mask=lane < tl.where(next_row < n_tokens, slice_len, 0), other=0.0)
-
-        if N_SPLITS > 1:
-            words = parts_ptr + row64 * (2 * SPLITS_POW2)
-            tl.atomic_xchg(words + split, _pack_pair(part_max, part_sum), sem="relaxed", scope="gpu")
-            if HAS_SMOOTHING:
-                tl.atomic_xchg(words + SPLITS_POW2 + split, _pack_pair(tl.cast(1.0, tl.float32), logit_sum), sem="relaxed", scope="gpu")
-            stats = tl.load(words + offs_s, mask=mask_s, other=1, volatile=True)
-            missing = tl.sum((stats == 0).to(tl.int32), axis=0)
-            if HAS_SMOOTHING:
-                sums = tl.load(words + SPLITS_POW2 + offs_s, mask=mask_s, other=1, volatile=True)
-                missing += tl.sum((sums == 0).to(tl.int32), axis=0)
-            while missing > 0:
-                stats = tl.load(words + offs_s, mask=mask_s, other=1, volatile=True)
-                missing = tl.sum((stats == 0).to(tl.int32), axis=0)
-                if HAS_SMOOTHING:
-                    sums = tl.load(words + SPLITS_POW2 + offs_s, mask=mask_s, other=1, volatile=True)
-                    missing += tl.sum((sums == 0).to(tl.int32), axis=0)
-            all_max, all_sum = _unpack_pair(stats)
-            all_max = tl.where(mask_s, all_max, float("-inf"))
-            row_max = tl.max(all_max, axis=0)
-            lse = row_max + tl.log(tl.sum(tl.where(mask_s, all_sum, 0.0) * tl.exp(all_max - row_max), axis=0))
-            if HAS_SMOOTHING:
-                logit_sum = tl.sum(tl.where(mask_s, _unpack_pair(sums)[1], 0.0), axis=0)
-        else:
-            lse = part_max + tl.log(part_sum)
-
-        loss = _token_loss(
-            lse, target_logit, logit_sum, target, n_vocab, ignore_index, label_smoothing, z_loss_scale,
-            HAS_SMOOTHING, HAS_Z_LOSS,
-        )
-        in_vocab = (target >= 0) & (target < n_vocab)
-        writer = tl.where(in_vocab, target // vocab_per_split, 0)  # the split holding the target, else 0
-        tl.store(loss_ptr + row, tl.where(target_is_bad(target, n_vocab, ignore_index), float("nan"), loss),
-                 mask=split == writer)
-        tl.store(lse_ptr + row, lse, mask=split == writer)
-
-        valid = target != ignore_index
-        if SCALE_PER_ROW:
-            scale = tl.load(scale_ptr + row).to(tl.float32)
-        else:
-            scale = tl.load(scale_ptr).to(tl.float32)
-        softmax_coef, smooth, hit, lse_g = grad_coefficients(scale, valid, lse, n_vocab, label_smoothing, z_loss_scale)
-        g = (softmax_coef * tl.exp(part_max - lse_g)) * e - smooth - tl.where(lane == target_lane, hit, 0.0)
-        if HAS_SOFTCAP:
-            g *= _softcap_slope(x.to(tl.float32), softcap)
-        g = tl.where(valid, g, 0.0)
-        g_row = g_ptr + row64 * stride_gt + v_begin.to(tl.int64) * stride_gv
-        tl.store(g_row + lane * stride_gv, g.to(g_ptr.dtype.element_ty), mask=mask_v)
-
-
 # --------------------------------------------------------------------------------------
 # Launchers (shared with fused_linear_cross_entropy)
 # --------------------------------------------------------------------------------------
@@ -632,77 +486,6 @@ def ce_write_grad(
     return out
 
 
-@dataclass(frozen=True)
-class ResidentTiling:
-    """Launch of _ce_resident_kernel: row slices (classes per program), programs per row, grid."""
-
-    block_v: int
-    num_warps: int
-    n_splits: int
-    vocab_per_split: int
-    n_groups: int
-
-
-def resident_tiling(n_tokens: int, n_vocab: int, device: torch.device) -> ResidentTiling | None:
-    """Slices of at most BLOCK_V classes (a multiple of 16, so loads stay 16-byte aligned on
-    aligned rows), balanced across the row; None when a row needs more than MAX_RESIDENT_SPLITS."""
-    if is_interpreter():  # programs run one after another there: a program cannot wait for another
-        block_v, warps, per_sm = triton.next_power_of_2(n_vocab), 4, 1
-    else:
-        block_v, warps, per_sm = _GPU_RESIDENT_BLOCK_V, _GPU_RESIDENT_NUM_WARPS, _GPU_RESIDENT_PROGRAMS_PER_SM
-    n_splits = triton.cdiv(n_vocab, block_v)
-    if n_splits > MAX_RESIDENT_SPLITS:
-        return None
-    vocab_per_split = min(block_v, triton.cdiv(triton.cdiv(n_vocab, n_splits), 16) * 16)
-    n_splits = triton.cdiv(n_vocab, vocab_per_split)  # every split holds at least one class
-    block_v = triton.next_power_of_2(vocab_per_split)
-    n_groups = max(1, min(n_tokens, num_programs_hint(device) * per_sm // n_splits))
-    return ResidentTiling(block_v, warps, n_splits, vocab_per_split, n_groups)
-
-
-def ce_fused_loss_and_grad(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    opts: LossOptions,
-    scale: torch.Tensor,
-    out: torch.Tensor,
-    loss_out: torch.Tensor | None = None,
-    lse_out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss and lse (fp32), and out = scale * dloss/dlogits, reading the logits once.
-
-    Same results as ce_forward_stats then ce_write_grad (NaN loss at a bad class index), in one
-    launch of _ce_resident_kernel; rows too long for it (over MAX_RESIDENT_SPLITS slices) take
-    those two kernels. Made for token-major [tokens, vocab] views (any strides work). `scale` is
-    fp32 with 1 element or one per token; `out` may be `logits` itself.
-    """
-    n_tokens, n_vocab = logits.shape
-    loss = loss_out if loss_out is not None else torch.empty(n_tokens, dtype=torch.float32, device=logits.device)
-    lse = lse_out if lse_out is not None else torch.empty(n_tokens, dtype=torch.float32, device=logits.device)
-    if n_tokens == 0:
-        return loss, lse
-    tiling = resident_tiling(n_tokens, n_vocab, logits.device)
-    if tiling is None:
-        ce_forward_stats(logits, target, opts, loss_out=loss, lse_out=lse)
-        ce_write_grad(logits, target, lse, scale, opts, out=out)
-        return loss, lse
-    splits_pow2 = triton.next_power_of_2(tiling.n_splits)
-    if tiling.n_splits > 1:  # the exchange words, zero = not yet written
-        parts = torch.zeros(n_tokens, 2, splits_pow2, dtype=torch.int64, device=logits.device)
-    else:  # nothing to exchange: the kernel never touches it
-        parts = target
-    _ce_resident_kernel[(tiling.n_groups * tiling.n_splits,)](
-        logits, logits.stride(0), logits.stride(1), out, out.stride(0), out.stride(1), target, loss, lse, scale, parts,
-        n_tokens, n_vocab, tiling.vocab_per_split, opts.ignore_index, opts.label_smoothing, opts.z_loss_scale,
-        opts.softcap if opts.softcap is not None else 1.0,
-        HAS_SOFTCAP=opts.softcap is not None, HAS_SMOOTHING=opts.label_smoothing > 0.0,
-        HAS_Z_LOSS=opts.z_loss_scale > 0.0, SCALE_PER_ROW=scale.numel() != 1,
-        N_SPLITS=tiling.n_splits, SPLITS_POW2=splits_pow2, BLOCK_V=tiling.block_v, num_warps=tiling.num_warps,
-        **({"maxnreg": _GPU_RESIDENT_MAXNREG} if _GPU_RESIDENT_MAXNREG and not is_interpreter() else {}),
-    )
-    return loss, lse
-
-
 def mark_overwritten(t: torch.Tensor) -> None:
     """Bump the version counter of a tensor a kernel wrote in place, so that any autograd node
     that saved it raises "modified by an inplace operation" instead of using garbage."""
@@ -717,42 +500,23 @@ def mark_overwritten(t: torch.Tensor) -> None:
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
-    """Two ways to the same loss and gradient; `grad_in_forward` picks one (see cross_entropy).
-
-    Gradient in forward (reduction "mean"/"sum"): the loss is a scalar, so dloss/dlogits is
-    known up to the factor grad_output before backward runs. One kernel reads each row once
-    and writes the loss and the gradient; only the gradient is saved, and backward multiplies
-    it by grad_output on the device (nothing to do for the usual 1; no host sync).
-
-    Gradient in backward (reduction "none", vocab-major views, no gradient wanted, or
-    GRAD_IN_FORWARD=False): forward reads the logits once for loss and lse (vocabulary split
-    across programs, which fills the GPU even for a few rows); backward reads them again and
-    writes the gradient already multiplied by grad_output (per token for "none"), with no
-    second [N, V] buffer held between forward and backward.
-    """
+    """Forward reads the logits once for loss and lse; backward reads them again and writes the
+    gradient already multiplied by grad_output (per token for reduction "none"), with no host
+    sync and no second [N, V] buffer held between forward and backward."""
 
     @staticmethod
-    def forward(ctx, logits, target, inv_count, opts: LossOptions, reduction: str, inplace_grad: bool,
-                grad_in_forward: bool):
+    def forward(ctx, logits, target, inv_count, opts: LossOptions, reduction: str, inplace_grad: bool):
         if reduction != "mean":
             inv_count = None
-        if grad_in_forward:
-            scale = inv_count if inv_count is not None else logits.new_ones(1, dtype=torch.float32)
-            grad = logits if inplace_grad else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-            loss_tok, lse = ce_fused_loss_and_grad(logits, target, opts, scale, out=grad)
-            if inplace_grad:
-                mark_overwritten(logits)
-            ctx.save_for_backward(grad)
-        else:
-            loss_tok, lse = ce_forward_stats(logits, target, opts)
-            ctx.save_for_backward(logits, target, lse, inv_count)
+        loss_tok, lse = ce_forward_stats(logits, target, opts)
+        ctx.save_for_backward(logits, target, lse, inv_count)
         if reduction == "none":
             loss = loss_tok
         elif reduction == "sum":
             loss = loss_tok.sum()
         else:
             loss = loss_tok.sum() * inv_count.reshape(())
-        ctx.opts, ctx.reduction, ctx.inplace_grad, ctx.grad_in_forward = opts, reduction, inplace_grad, grad_in_forward
+        ctx.opts, ctx.reduction, ctx.inplace_grad = opts, reduction, inplace_grad
         ctx.mark_non_differentiable(lse)
         return loss.to(logits.dtype), lse
 
@@ -760,10 +524,6 @@ class _CrossEntropyFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss, _grad_lse):
         raise_pending_target_errors()
-        if ctx.grad_in_forward:
-            (grad,) = ctx.saved_tensors
-            scale_unless_one((grad,), grad_loss)
-            return grad, None, None, None, None, None, None
         logits, target, lse, inv_count = ctx.saved_tensors
         if ctx.reduction == "none":
             scale = grad_loss.to(torch.float32).contiguous()
@@ -776,7 +536,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         ce_write_grad(logits, target, lse, scale, ctx.opts, out=grad)
         if inplace:
             mark_overwritten(logits)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def cross_entropy(
@@ -803,14 +563,10 @@ def cross_entropy(
     replaces the logits by softcap * tanh(logits / softcap) first (Gemma 2). Both are
     differentiated through.
 
-    When the logits need a gradient and reduction is "mean" or "sum", it is computed during
-    this call, in one kernel with the loss (each logit read once), and backward only applies
-    grad_output on the device. Otherwise (reduction="none", no gradient wanted, vocab-major
-    logits, or fuseforge.ops.cross_entropy.GRAD_IN_FORWARD = False) backward computes it,
-    already multiplied by grad_output. No path syncs with the host.
+    The gradient is computed in backward, already multiplied by grad_output (no host sync).
 
-    inplace_grad=True writes the gradient into the logits' own buffer (saves one [N, V]
-    allocation): during backward, or during this call when the gradient is computed here.
+    inplace_grad=True writes the gradient into the logits' own buffer during backward (saves
+    one [N, V] allocation).
     Opt in only when nothing reads the logits after the loss call; any autograd node that
     saved them then raises instead of silently using the gradient. Ignored for leaf tensors
     (their .grad must not alias their data).
@@ -839,16 +595,7 @@ def cross_entropy(
     flat_logits = logits.reshape(-1, n_classes)
     flat_target = target.reshape(-1).to(torch.int64).contiguous()
     inv_count = scan_targets(flat_target, n_classes, opts.ignore_index, "cross_entropy")
-    grad_in_forward = (
-        GRAD_IN_FORWARD
-        and reduction != "none"  # the per-token grad_output is only known in backward
-        and logits.requires_grad
-        and torch.is_grad_enabled()
-        and not is_vocab_major(flat_logits)
-    )
-    loss, lse = _CrossEntropyFunction.apply(
-        flat_logits, flat_target, inv_count, opts, reduction, inplace_grad, grad_in_forward
-    )
+    loss, lse = _CrossEntropyFunction.apply(flat_logits, flat_target, inv_count, opts, reduction, inplace_grad)
     if reduction == "none":
         loss = loss.view(target.shape)
     if return_lse:

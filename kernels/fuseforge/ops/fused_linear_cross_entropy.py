@@ -39,7 +39,6 @@ from torch.autograd.function import once_differentiable
 from fuseforge.ops.cross_entropy import (
     LossOptions,
     ce_forward_stats,
-    ce_fused_loss_and_grad,
     ce_write_grad,
     check_loss_options,
     check_target,
@@ -57,12 +56,6 @@ from fuseforge.ops.vocab_major_cross_entropy import vocab_major_grad_in_place, v
 
 # Logits scratch per chunk (and the grad_weight slice temporary), the only O(V) extra memory.
 DEFAULT_CHUNK_BYTES = 64 * 2**20
-
-# Switch: token-major chunks whose gradient is wanted get loss and gradient from one kernel
-# launch (each logit read once, ops/cross_entropy.py's _ce_resident_kernel) instead of the split
-# stats and gradient kernels. Read at call time.
-FUSED_CHUNK_CE = True
-
 
 def _round_rows(rows: int) -> int:
     """Round a row count down to a tensor-core-friendly multiple (16, else 8), at least 1.
@@ -198,13 +191,9 @@ def _sweep(hidden, weight, bias, target, opts: LossOptions, scale, wanted: _Want
                 torch.mm(hidden[s:e], weight.t(), out=logits)
             else:
                 torch.addmm(bias, hidden[s:e], weight.t(), out=logits)
-            if grads is not None and FUSED_CHUNK_CE:
-                ce_fused_loss_and_grad(logits, target[s:e], opts, _rows(scale, s, e), out=logits,
-                                       loss_out=loss[s:e], lse_out=lse[s:e])
-            else:
-                ce_forward_stats(logits, target[s:e], opts, loss_out=loss[s:e], lse_out=lse[s:e])
-                if grads is not None:
-                    ce_write_grad(logits, target[s:e], lse[s:e], _rows(scale, s, e), opts, out=logits)
+            ce_forward_stats(logits, target[s:e], opts, loss_out=loss[s:e], lse_out=lse[s:e])
+            if grads is not None:
+                ce_write_grad(logits, target[s:e], lse[s:e], _rows(scale, s, e), opts, out=logits)
             if grads is not None:
                 grads.add_chunk(logits, hidden[s:e], weight, slice(s, e))
         del scratch

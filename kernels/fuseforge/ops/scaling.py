@@ -1,10 +1,10 @@
 """In-place scaling of gradients by the upstream gradient, decided on the device.
 
-Why: a loss whose gradients are computed in forward (a scalar loss: cross_entropy's one-launch
-path, fused_linear_cross_entropy) must multiply them by grad_output in backward. Reading
-grad_output on the host to skip the usual factor of 1 is a host sync, which stalls the GPU
-until the whole forward has run; multiplying unconditionally is a read-modify-write of
-every gradient. Here each program reads the factor and returns at once when it is 1, so the
+Why: a loss whose gradients are computed in forward (fused_linear_cross_entropy with a
+scalar loss, which never keeps its logits for backward) must multiply them by grad_output in
+backward. Reading grad_output on the host to skip the usual factor of 1 is a host sync, which
+stalls the GPU until the whole forward has run; multiplying unconditionally is a
+read-modify-write of every gradient. Here each program reads the factor and returns at once when it is 1, so the
 common `loss.backward()` costs one small launch and no sync (and CUDA graphs can capture it).
 """
 
