@@ -52,6 +52,7 @@ from fuseforge.ops.utils import (
 # sum of z (label smoothing) and the target's logit (0 unless the split holds it).
 N_STATS = 4
 
+
 @dataclass(frozen=True)
 class LossOptions:
     """The per-token loss definition shared by cross_entropy and fused_linear_cross_entropy."""
@@ -222,16 +223,6 @@ def grad_coefficients(scale, valid, lse, n_vocab, label_smoothing, z_loss_scale)
 
 
 @triton.jit
-def load_scale(scale_ptr, offs_t, mask_t, SCALE_PER_ROW: tl.constexpr, BLOCK_T: tl.constexpr):
-    """The gradient scale of the tokens offs_t (fp32): one element shared by all, or one per token."""
-    if SCALE_PER_ROW:
-        scale = tl.load(scale_ptr + offs_t, mask=mask_t, other=0.0).to(tl.float32)
-    else:
-        scale = tl.load(scale_ptr).to(tl.float32) + tl.zeros([BLOCK_T], tl.float32)
-    return scale
-
-
-@triton.jit
 def load_grad_coefficients(
     target_ptr, lse_ptr, scale_ptr, offs_t, mask_t, n_vocab, ignore_index, label_smoothing, z_loss_scale,
     SCALE_PER_ROW: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -240,7 +231,10 @@ def load_grad_coefficients(
     element, or one per token when SCALE_PER_ROW."""
     target = tl.load(target_ptr + offs_t, mask=mask_t, other=ignore_index)
     valid = mask_t & (target != ignore_index)
-    scale = load_scale(scale_ptr, offs_t, mask_t, SCALE_PER_ROW, BLOCK_T)
+    if SCALE_PER_ROW:
+        scale = tl.load(scale_ptr + offs_t, mask=mask_t, other=0.0).to(tl.float32)
+    else:
+        scale = tl.load(scale_ptr).to(tl.float32) + tl.zeros([BLOCK_T], tl.float32)
     lse = tl.load(lse_ptr + offs_t, mask=mask_t, other=0.0)
     softmax_coef, smooth, hit, lse = grad_coefficients(scale, valid, lse, n_vocab, label_smoothing, z_loss_scale)
     return target, valid, softmax_coef, smooth, hit, lse
@@ -263,41 +257,6 @@ def grad_tile(
 
 
 @triton.jit
-def sweep_row_stats(
-    x_row, stride_xv, mask_t, v_begin, v_end, softcap,
-    HAS_SOFTCAP: tl.constexpr, HAS_SMOOTHING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """(max, sum of exp(z - max), sum of z) of token-major rows x_row over vocabulary [v_begin, v_end)."""
-    run_max, exp_acc, z_acc = init_tile_stats(BLOCK_T, BLOCK_V, VOCAB_AXIS=1)
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        mask = mask_t[:, None] & (offs_v < v_end)[None, :]
-        x = tl.load(x_row[:, None] + offs_v.to(tl.int64)[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
-        run_max, exp_acc, z_acc = fold_tile_stats(
-            x, mask, run_max, exp_acc, z_acc, softcap, HAS_SOFTCAP, HAS_SMOOTHING, VOCAB_AXIS=1
-        )
-    run_sum, logit_sum = finish_tile_stats(exp_acc, z_acc, HAS_SMOOTHING, VOCAB_AXIS=1)
-    return run_max, run_sum, logit_sum
-
-
-@triton.jit
-def sweep_row_grads(
-    x_row, stride_xv, g_row, stride_gv, mask_t, target, valid, lse, softmax_coef, smooth, hit,
-    v_begin, v_end, softcap, HAS_SOFTCAP: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """g_row = scale * dloss/dlogits of token-major rows over vocabulary [v_begin, v_end); each
-    element is read, then written, by the same program (g may alias x)."""
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        offs_v64 = offs_v.to(tl.int64)
-        mask = mask_t[:, None] & (offs_v < v_end)[None, :]
-        x = tl.load(x_row[:, None] + offs_v64[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
-        hits_target = offs_v[None, :] == target[:, None]
-        g = grad_tile(x, hits_target, valid, lse, softmax_coef, smooth, hit, softcap, HAS_SOFTCAP, VOCAB_AXIS=1)
-        tl.store(g_row[:, None] + offs_v64[None, :] * stride_gv, g.to(g_row.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _ce_stats_kernel(
     x_ptr, stride_xt, stride_xv, target_ptr, stats_ptr,
     n_tokens, n_vocab, vocab_per_split, softcap,
@@ -315,9 +274,15 @@ def _ce_stats_kernel(
     v_end = tl.minimum(v_begin + vocab_per_split, n_vocab)
 
     target_logit = load_target_logit(row, stride_xv, target, mask_t, v_begin, v_end, softcap, HAS_SOFTCAP)
-    run_max, run_sum, logit_sum = sweep_row_stats(
-        row, stride_xv, mask_t, v_begin, v_end, softcap, HAS_SOFTCAP, HAS_SMOOTHING, BLOCK_T, BLOCK_V
-    )
+    run_max, exp_acc, z_acc = init_tile_stats(BLOCK_T, BLOCK_V, VOCAB_AXIS=1)
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        mask = mask_t[:, None] & (offs_v < v_end)[None, :]
+        x = tl.load(row[:, None] + offs_v.to(tl.int64)[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
+        run_max, exp_acc, z_acc = fold_tile_stats(
+            x, mask, run_max, exp_acc, z_acc, softcap, HAS_SOFTCAP, HAS_SMOOTHING, VOCAB_AXIS=1
+        )
+    run_sum, logit_sum = finish_tile_stats(exp_acc, z_acc, HAS_SMOOTHING, VOCAB_AXIS=1)
     store_split_stats(stats_ptr, pid_s, n_splits, offs_t, mask_t, n_tokens, run_max, run_sum, logit_sum, target_logit)
 
 
@@ -372,10 +337,14 @@ def _ce_grad_kernel(
     g_row = g_ptr + offs_t.to(tl.int64) * stride_gt
     v_begin = pid_s * vocab_per_split
     v_end = tl.minimum(v_begin + vocab_per_split, n_vocab)
-    sweep_row_grads(
-        x_row, stride_xv, g_row, stride_gv, mask_t, target, valid, lse, softmax_coef, smooth, hit,
-        v_begin, v_end, softcap, HAS_SOFTCAP, BLOCK_V,
-    )
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        offs_v64 = offs_v.to(tl.int64)
+        mask = mask_t[:, None] & (offs_v < v_end)[None, :]
+        x = tl.load(x_row[:, None] + offs_v64[None, :] * stride_xv, mask=mask, other=0.0).to(tl.float32)
+        hits_target = offs_v[None, :] == target[:, None]
+        g = grad_tile(x, hits_target, valid, lse, softmax_coef, smooth, hit, softcap, HAS_SOFTCAP, VOCAB_AXIS=1)
+        tl.store(g_row[:, None] + offs_v64[None, :] * stride_gv, g.to(g_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------
@@ -394,22 +363,13 @@ class VocabSplitTiling:
     vocab_per_split: int
 
 
-def is_vocab_major(logits: torch.Tensor) -> bool:
-    """True for a [tokens, vocab] view whose tokens are adjacent in memory (a transposed [vocab, tokens] buffer)."""
-    return logits.stride(0) == 1 and logits.shape[0] > 1
-
-
-def _interpreter_block_t(n_tokens: int) -> int:
-    """Rows per program under the interpreter, which pays ~ms per program instance: few, large programs."""
-    return min(triton.next_power_of_2(max(n_tokens, 1)), 16)
-
-
 def _tiling(logits: torch.Tensor, n_splits: int | None = None) -> VocabSplitTiling:
     """Tile shape by memory layout; split the vocabulary until the grid fills the device."""
     n_tokens, n_vocab = logits.shape
     if is_interpreter():
-        block_t, block_v, warps = _interpreter_block_t(n_tokens), 1024, 4
-    elif is_vocab_major(logits):
+        # Few, large programs: the interpreter pays ~ms per program instance.
+        block_t, block_v, warps = min(triton.next_power_of_2(max(n_tokens, 1)), 16), 1024, 4
+    elif logits.stride(0) == 1 and n_tokens > 1:
         # Vocab-major storage (the transposed chunk of the fused linear path): tokens are
         # contiguous, so a tile spans 64 tokens (128 B of bf16) per vocabulary entry.
         block_t, block_v, warps = 64, 64, 8
@@ -566,10 +526,9 @@ def cross_entropy(
     The gradient is computed in backward, already multiplied by grad_output (no host sync).
 
     inplace_grad=True writes the gradient into the logits' own buffer during backward (saves
-    one [N, V] allocation).
-    Opt in only when nothing reads the logits after the loss call; any autograd node that
-    saved them then raises instead of silently using the gradient. Ignored for leaf tensors
-    (their .grad must not alias their data).
+    one [N, V] allocation). Opt in only when nothing reads the logits after backward; any
+    autograd node that saved them then raises instead of silently using the gradient.
+    Ignored for leaf tensors (their .grad must not alias their data).
 
     return_lse=True also returns the fp32 log-sum-exp per token (shape of target, not
     differentiable; defined at ignored tokens too).
@@ -587,7 +546,6 @@ def cross_entropy(
     check_target(target, logits.shape[:-1], "logits.shape[:-1]")
     check_same_device(logits=logits, target=target)
     check_device_supported("logits", logits)
-    raise_pending_target_errors()
 
     # A leaf's .grad must not alias its data: logits that are (a view of) a leaf get a fresh buffer.
     base = logits if logits._base is None else logits._base

@@ -343,8 +343,6 @@ def fused_linear_cross_entropy(
     )
     if num_items_in_batch is not None and reduction != "mean":
         raise ValueError(f"num_items_in_batch only applies to reduction='mean', got reduction={reduction!r}")
-    raise_pending_target_errors()
-
     flat_target = target.reshape(-1).to(torch.int64).contiguous()
     inv_count = scan_targets(flat_target, n_vocab, opts.ignore_index, "fused_linear_cross_entropy")
     scale = _loss_scale(inv_count, reduction, num_items_in_batch, hidden.device)

@@ -85,9 +85,11 @@ def raise_pending_target_errors(wait: bool = False) -> None:
     global _pending
     if not _pending or torch.cuda.is_current_stream_capturing():  # no event queries inside a capture
         return
+    ready, waiting = [], []
     with _lock:
-        ready = [p for p in _pending if wait or p.done.query()]
-        _pending = [p for p in _pending if p not in ready]
+        for p in _pending:
+            (ready if wait or p.done.query() else waiting).append(p)
+        _pending = waiting
     for p in ready:
         if wait:
             p.done.synchronize()
@@ -97,21 +99,24 @@ def raise_pending_target_errors(wait: bool = False) -> None:
 
 
 def scan_targets(target: torch.Tensor, n_classes: int, ignore_index: int, caller: str) -> torch.Tensor:
-    """1 / (number of non-ignored targets, at least 1) as 1 fp32 element on target's device;
-    bad class indices raise ValueError as TARGET_CHECK says (see the module docstring)."""
+    """1 / (number of non-ignored targets, at least 1) as 1 fp32 element on target's device.
+
+    Every loss call comes through here, so it first raises what earlier calls left pending; bad
+    class indices of this call raise ValueError as TARGET_CHECK says (see the module docstring).
+    """
     if TARGET_CHECK not in TARGET_CHECK_MODES:
         raise ValueError(f"fuseforge.ops.targets.TARGET_CHECK must be one of {TARGET_CHECK_MODES}, got {TARGET_CHECK!r}")
+    raise_pending_target_errors()
     flat = target.reshape(-1)
     inv_count = torch.empty(1, dtype=torch.float32, device=target.device)
     found = torch.empty(2, dtype=torch.int64, device=target.device)
     _scan_targets_kernel[(1,)](flat, flat.numel(), n_classes, ignore_index, inv_count, found, BLOCK=_BLOCK, num_warps=8)
+    if target.is_cuda and torch.cuda.is_current_stream_capturing():
+        return inv_count  # nothing can be read back inside a capture
     if not target.is_cuda or TARGET_CHECK == "sync":
-        if not (target.is_cuda and torch.cuda.is_current_stream_capturing()):
-            err = _error(found.cpu(), n_classes, ignore_index, caller, deferred=False)
-            if err is not None:
-                raise err
-        return inv_count
-    if torch.cuda.is_current_stream_capturing():
+        err = _error(found.cpu(), n_classes, ignore_index, caller, deferred=False)
+        if err is not None:
+            raise err
         return inv_count
     host = torch.empty(2, dtype=torch.int64, device="cpu", pin_memory=True)
     host.copy_(found, non_blocking=True)
