@@ -2,10 +2,10 @@
 
     python benchmarks/tune.py [--op rms_norm ...] [--shape 2048,16384 --shape 4096,1024] [--profile]
 
-For each op at its headline shape (benchmarks/run.py; EXTRA_CASES for shapes run.py
-has no entry for), every variant of the module constants below is patched in, compiled,
-checked (every leaf gradient against eager) and timed forward+backward (median
-do_bench, like run.py). Variants a grid's `same_as` maps to one key are timed once.
+For each op at its headline shape in benchmarks/run.py (or each --shape), every combination
+of the module constants below is patched in, compiled, checked (outputs and every leaf
+gradient against eager) and timed forward+backward (summed kernel time, and median do_bench
+like run.py).
 `--profile` also prints each kernel's device time per step and the host time per
 step (queued behind a long sleep kernel, so it is pure launch/Python cost) and a cProfile
 of it. Where the host time exceeds the kernels' (small ops on a VM with ~50 us launches),
@@ -32,27 +32,15 @@ ROWWISE = {  # (rows narrower than rowwise.GPU_WIDE_ROW, wider rows)
     "GPU_ELEMENTS_PER_THREAD": [(8, 8), (16, 16), (32, 32), (32, 16)],
     "GPU_BWD_PROGRAMS_PER_SM": [(1, 1), (2, 2), (4, 4), (2, 1)],
 }
-# op -> (module, {constant: values} (every combination) or [settings], optional same_as(setting) -> key of
-# equivalent settings)
+# op -> (module, {constant: values}): every combination is timed.
 GRIDS = {
-    "rms_norm": (rowwise, ROWWISE, None),
-    "fused_add_rms_norm": (rowwise, ROWWISE, None),
-    "layer_norm": (rowwise, ROWWISE, None),
-    "swiglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}, None),
-    "geglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}, None),
-    "rope": (rope, {"_GPU_TILE": [1024, 2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [4, 8, 16, 32]}, None),
+    "rms_norm": (rowwise, ROWWISE),
+    "fused_add_rms_norm": (rowwise, ROWWISE),
+    "layer_norm": (rowwise, ROWWISE),
+    "swiglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}),
+    "geglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}),
+    "rope": (rope, {"_GPU_TILE": [1024, 2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [4, 8, 16, 32]}),
 }
-
-# Ops tuned at a shape run.OPS has no entry for: op -> (run.OPS entry whose builder to use, shape).
-EXTRA_CASES: dict = {}
-
-
-def builder_and_shape(op: str):
-    if op in EXTRA_CASES:
-        source, shape = EXTRA_CASES[op]
-        return run.OPS[source][0], shape
-    builder, shape, _ = run.OPS[op]
-    return builder, shape
 
 
 def kernel_events(fn, steps: int = 5):
@@ -135,17 +123,15 @@ def main() -> int:
     summary = []
     jobs = []
     for op in args.op or list(GRIDS):
-        builder, shape = builder_and_shape(op)
+        builder, shape, _ = run.OPS[op]
         shapes = [tuple(int(n) for n in text.split(",")) for text in args.shape] if args.shape else [shape]
         jobs += [(op, builder, shape) for shape in shapes]
     for op, builder, shape in jobs:
         torch.manual_seed(0)
         case = builder(*shape, torch.bfloat16, "cuda")
         ref = grads_of(case, "eager")
-        module, grid, same_as = GRIDS[op]
-        settings = grid if isinstance(grid, list) else [dict(zip(grid, v)) for v in itertools.product(*grid.values())]
-        names = sorted({n for setting in settings for n in setting})
-        defaults = {n: getattr(module, n) for n in names}
+        module, grid = GRIDS[op]
+        defaults = {n: getattr(module, n) for n in grid}
         fn = fwd_bwd(case.impls["fuseforge"], case.leaves)
         if args.profile:
             for _ in range(5):
@@ -155,13 +141,8 @@ def main() -> int:
                 print(f"  {us:9.1f} {calls:3d}  {name}")
             python_profile(fn)
         results = []
-        timed = set()
-        for setting in settings:
-            setting = {**defaults, **setting}
-            key = tuple(sorted((same_as or dict)(setting).items()))
-            if key in timed:
-                continue
-            timed.add(key)
+        for values in itertools.product(*grid.values()):
+            setting = dict(zip(grid, values))
             for n, v in setting.items():
                 setattr(module, n, v)
             try:
