@@ -12,7 +12,7 @@ fused_linear_cross_entropy's chunks.
 Why not one kernel that reads the logits once: a group of programs holding a row between
 them in registers and exchanging the slices' statistics was built and measured on an H200
 (session 3 in benchmarks/RESULTS.md): 2.2 ms at 8192 x 128256 against 1.70 ms for these
-kernels, whose three passes over HBM run at 3.7 TB/s; the group waits 4-9 us per row.
+kernels, whose three passes over HBM run at 3.7 TB/s; the group waits 4-10 us per row.
 
 Class indices are counted and range-checked on the device (ops/targets.py), so no path syncs
 with the host in forward or backward.
