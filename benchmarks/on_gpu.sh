@@ -29,6 +29,9 @@ for step in "$@"; do
             tests/test_glu.py tests/test_rope.py tests/test_jsd.py tests/test_kl_div.py tests/test_transformers_patching.py ;;
         tune-norms) run_step "$step" python3 benchmarks/tune.py --op rms_norm --op layer_norm \
             --shape 4096,1024 --shape 2048,16384 --shape 16384,4096 ;;
+        tune-split) run_step "$step" python3 benchmarks/tune.py --op rms_norm_split --op layer_norm_split \
+            --shape 2048,16384 --shape 8192,8192 ;;
+        ce-host) run_step "$step" python3 benchmarks/ce_host.py ;;
         run-headline) run_step "$step" python3 benchmarks/run.py --json "$OUT/headline.json" ;;
         run-ce) run_step "$step" python3 benchmarks/run.py --op cross_entropy --json "$OUT/ce.json" ;;
         run-sweep-norms) run_step "$step" python3 benchmarks/run.py --sweep --op rms_norm --op layer_norm \

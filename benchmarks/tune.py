@@ -32,11 +32,21 @@ ROWWISE = {  # (rows narrower than rowwise.GPU_WIDE_ROW, wider rows)
     "GPU_ELEMENTS_PER_THREAD": [(8, 8), (16, 16), (32, 32), (32, 16)],
     "GPU_BWD_PROGRAMS_PER_SM": [(1, 1), (2, 2), (4, 4), (2, 1)],
 }
+# The split backward of wide rows: which widths take it (1 << 30: none) and its column kernel.
+SPLIT = {
+    "SPLIT_BACKWARD_MIN_COLS": [1, 1 << 30],
+    "GPU_PARAM_GRAD_TILE": [(16, 256), (32, 128), (8, 512)],
+    "GPU_PARAM_GRAD_WARPS": [4, 8],
+    "GPU_PARAM_GRAD_PROGRAMS_PER_SM": [4, 8],
+}
 # op -> (module, {constant: values}): every combination is timed.
 GRIDS = {
     "rms_norm": (rowwise, ROWWISE),
     "fused_add_rms_norm": (rowwise, ROWWISE),
     "layer_norm": (rowwise, ROWWISE),
+    "rms_norm_split": (rowwise, SPLIT),
+    "fused_add_rms_norm_split": (rowwise, SPLIT),
+    "layer_norm_split": (rowwise, SPLIT),
     "swiglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}),
     "geglu": (glu, {"_GPU_TILE": [2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [8, 16, 32]}),
     "rope": (rope, {"_GPU_TILE": [1024, 2048, 4096, 8192], "_GPU_ELEMENTS_PER_THREAD": [4, 8, 16, 32]}),
@@ -123,7 +133,7 @@ def main() -> int:
     summary = []
     jobs = []
     for op in args.op or list(GRIDS):
-        builder, shape, _ = run.OPS[op]
+        builder, shape, _ = run.OPS[op.removesuffix("_split")]
         shapes = [tuple(int(n) for n in text.split(",")) for text in args.shape] if args.shape else [shape]
         jobs += [(op, builder, shape) for shape in shapes]
     for op, builder, shape in jobs:

@@ -98,6 +98,11 @@ def main() -> int:
         compile_for_sm90(layer_norm._layer_norm_bwd_kernel, {**data("X", "DY", "W", "DX"), "MEAN": f32, "RSTD": f32,
                                                              "DW_PARTIAL": f32, "DB_PARTIAL": f32}, dt,
                          dict(HAS_WEIGHT=True, STORE_DX=True, STORE_DW=True, STORE_DB=True, **norm_cons))
+        for has_mean in (False, True):  # RMSNorm's dw (normed rounded), LayerNorm's dw and db
+            compile_for_sm90(rowwise._param_grads_kernel, {**data("X", "DY"), "MEAN": f32, "RSTD": f32,
+                                                           "DW_PARTIAL": f32, "DB_PARTIAL": f32}, dt,
+                             dict(HAS_MEAN=has_mean, STORE_DW=True, STORE_DB=has_mean, ROUND_NORMED=not has_mean,
+                                  COMPUTE=tl.float32, EMULATE_RNE=False, BLOCK_R=16, BLOCK_C=256), num_warps=4)
         for activation in (0, 1, 2):
             glu_cons = dict(ACTIVATION=activation, BLOCK_R=1, BLOCK_C=4096, FP64=False)
             compile_for_sm90(glu._glu_forward_kernel, data("gate_ptr", "up_ptr", "out_ptr"), dt, glu_cons)

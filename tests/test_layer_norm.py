@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from fuseforge.modules.norms import LayerNorm
+from fuseforge.ops import layer_norm as layer_norm_module
 from fuseforge.ops import rowwise
 from fuseforge.ops.layer_norm import layer_norm
 from norm_checks import assert_matches_reference, least_precise
@@ -68,6 +69,52 @@ def test_multi_tile_persistent_path(monkeypatch, device):
     x = torch.randn(37, 100, device=device, requires_grad=True)
     weight, bias = make_affine(100, torch.float32, device)
     check_layer_norm(x, weight, bias)
+
+
+@pytest.fixture
+def split_backward(monkeypatch):
+    """Every row width takes the split backward (row kernel for dx, column kernel for dw/db),
+    with row groups of the column kernel short enough that several partial rows are summed."""
+    monkeypatch.setattr(rowwise, "SPLIT_BACKWARD_MIN_COLS", 1)
+    calls = []
+    real = rowwise.param_grads
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(layer_norm_module, "param_grads", counted)
+    return calls
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (130, 127), (2, 70, 300)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_split_backward_matches_reference(split_backward, shape, dtype, device):
+    x = (torch.randn(shape, device=device) * 2 + 0.5).to(dtype).requires_grad_()
+    weight, bias = make_affine(shape[-1], dtype, device)
+    check_layer_norm(x, weight, bias)
+    assert len(split_backward) == 1
+
+
+@pytest.mark.parametrize("with_weight, with_bias", [(True, False), (False, True), (False, False)])
+def test_split_backward_optional_affine(split_backward, with_weight, with_bias, device):
+    x = torch.randn(70, 200, device=device).to(torch.bfloat16).requires_grad_()
+    weight, bias = make_affine(200, torch.float32, device, with_weight, with_bias)  # fp32 params, bf16 x
+    check_layer_norm(x, weight, bias)
+    assert len(split_backward) == int(with_weight or with_bias)
+
+
+def test_split_backward_params_only(split_backward, device):
+    """A frozen input: only the column kernel runs."""
+    x = torch.randn(66, 90, device=device) + 0.5
+    weight, bias = make_affine(90, torch.float32, device)
+    w64, b64 = (t.detach().double().requires_grad_() for t in (weight, bias))
+    dy = torch.randn(66, 90, device=device)
+    layer_norm(x, weight, bias).backward(dy)
+    F.layer_norm(x.double(), (90,), w64, b64, 1e-5).backward(dy.double())
+    assert_close(weight.grad, w64.grad, torch.float32, msg="dweight")
+    assert_close(bias.grad, b64.grad, torch.float32, msg="dbias")
+    assert len(split_backward) == 1
 
 
 @pytest.mark.parametrize("layout", ["row_slice", "transposed", "broadcast_grad"])

@@ -7,6 +7,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from fuseforge.ops.rms_norm import fused_add_rms_norm, rms_norm
 from fuseforge.modules.norms import FusedAddRMSNorm, RMSNorm
+from fuseforge.ops import rms_norm as rms_norm_module
 from fuseforge.ops import rowwise
 from norm_checks import assert_matches_reference, least_precise
 from tolerances import assert_close
@@ -158,6 +159,53 @@ def test_multi_tile_persistent_path(monkeypatch, device):
     y, s = fused_add_rms_norm(x.detach(), residual, weight.detach())
     (y.float().sum() + s.float().sum()).backward()
     assert residual.grad.shape == x.shape
+
+
+@pytest.fixture
+def split_backward(monkeypatch):
+    """Every row width takes the split backward (row kernel for dx, column kernel for dw)."""
+    monkeypatch.setattr(rowwise, "SPLIT_BACKWARD_MIN_COLS", 1)
+    calls = []
+    real = rowwise.param_grads
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rms_norm_module, "param_grads", counted)
+    return calls
+
+
+@pytest.mark.parametrize("shape", [(3, 7), (130, 127), (2, 70, 300)], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("casting", ["llama", "gemma"])
+def test_split_backward_matches_reference(split_backward, shape, dtype, casting, device):
+    x, weight = make_inputs(shape, dtype, device, casting=casting)
+    check_rms_norm(x, weight, casting, OFFSET[casting])
+    assert len(split_backward) == 1
+    assert split_backward[0]["round_normed"] == (casting == "llama" and dtype != torch.float32)
+
+
+def test_split_backward_fused_add(split_backward, device):
+    x, weight = make_inputs((70, 300), torch.bfloat16, device)
+    residual = torch.randn_like(x, requires_grad=True)
+    y, new_residual = fused_add_rms_norm(x, residual, weight)
+    y_ref, s_ref, _, leaves = reference(x, weight, 1e-6, 0.0, "llama", residual=residual)
+    dy, ds = torch.randn_like(y), torch.randn_like(new_residual)
+    torch.autograd.backward([y, new_residual], [dy, ds])
+    torch.autograd.backward([y_ref, s_ref], [dy.double(), ds.double()])
+    for name, t in [("x", x), ("residual", residual), ("weight", weight)]:
+        assert_close(t.grad, leaves[name].grad, torch.bfloat16, msg=f"d{name}")
+    assert len(split_backward) == 1
+
+
+def test_split_backward_weight_only(split_backward, device):
+    x, weight = make_inputs((66, 90), torch.float32, device)
+    y_ref, _, _, leaves = reference(x, weight, 1e-6, 0.0, "llama")
+    rms_norm(x.detach(), weight).sum().backward()
+    y_ref.sum().backward()
+    assert_close(weight.grad, leaves["weight"].grad, torch.float32)
+    assert len(split_backward) == 1
 
 
 @pytest.mark.parametrize("layout", ["row_slice", "transposed", "broadcast_grad"])

@@ -7,7 +7,9 @@ than x (an fp32 weight with a bf16 x is allowed).
 
 The forward saves only the per-row mean and rstd; the backward recomputes the
 normalized rows, reads x and dy once, writes dx once, and reduces the weight and bias
-gradients deterministically (one partial row per program, both summed by one small kernel). Input rows
+gradients deterministically (one partial row per program, both summed by one small kernel).
+Wide rows (rowwise.split_backward) read x and dy once more instead: dx from a row kernel
+without accumulators, dw and db from a column-parallel kernel (rowwise.param_grads). Input rows
 may have any row stride; other layouts are copied to contiguous first.
 """
 
@@ -19,7 +21,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseforge.ops.rowwise import as_rows, compute_dtype, plan_row_tiles, round_to, row_tile, sum_partials
+from fuseforge.ops.rowwise import (
+    as_rows,
+    compute_dtype,
+    param_grads,
+    plan_row_tiles,
+    round_to,
+    row_tile,
+    split_backward,
+    sum_partials,
+)
 from fuseforge.ops.utils import check_device_supported, check_positive, check_same_device, check_tensor, is_interpreter
 
 
@@ -137,21 +148,30 @@ class _LayerNormFunction(torch.autograd.Function):
         n_rows, n_cols = x_rows.shape
         torch_compute, tl_compute = ctx.compute
         dy_rows = as_rows(dy)
-        plan = plan_row_tiles(n_rows, n_cols, x_rows.device, persistent=True)
-        partial_shape = (plan.num_programs, n_cols)
+        split = split_backward(n_cols)
+        # Split: the row kernel writes dx only, and param_grads reduces dw/db down the columns.
+        fused_dw, fused_db = need_dw and not split, need_db and not split
         dx = torch.empty((n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device) if need_dx else dy_rows
-        dw_partial = torch.empty(partial_shape, dtype=torch_compute, device=x_rows.device) if need_dw else rstd
-        db_partial = torch.empty(partial_shape, dtype=torch_compute, device=x_rows.device) if need_db else rstd
-        _layer_norm_bwd_kernel[(plan.num_programs,)](
-            x_rows, dy_rows, weight if weight is not None else x_rows, mean, rstd, dx, dw_partial, db_partial,
-            n_rows, n_cols, x_rows.stride(0), dy_rows.stride(0), plan.tiles_per_program,
-            HAS_WEIGHT=weight is not None, STORE_DX=need_dx, STORE_DW=need_dw, STORE_DB=need_db,
-            COMPUTE=tl_compute, EMULATE_RNE=is_interpreter(),
-            ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps,
-        )
+        plan = plan_row_tiles(n_rows, n_cols, x_rows.device, persistent=fused_dw or fused_db)
+        partial_shape = (plan.num_programs, n_cols)
+        dw_partial = torch.empty(partial_shape, dtype=torch_compute, device=x_rows.device) if fused_dw else rstd
+        db_partial = torch.empty(partial_shape, dtype=torch_compute, device=x_rows.device) if fused_db else rstd
+        if need_dx or fused_dw or fused_db:
+            _layer_norm_bwd_kernel[(plan.num_programs,)](
+                x_rows, dy_rows, weight if weight is not None else x_rows, mean, rstd, dx, dw_partial, db_partial,
+                n_rows, n_cols, x_rows.stride(0), dy_rows.stride(0), plan.tiles_per_program,
+                HAS_WEIGHT=weight is not None, STORE_DX=need_dx, STORE_DW=fused_dw, STORE_DB=fused_db,
+                COMPUTE=tl_compute, EMULATE_RNE=is_interpreter(),
+                ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps,
+            )
         dx = dx.view(ctx.x_shape) if need_dx else None
         dw = db = None
-        if need_dw and need_db:
+        if split and (need_dw or need_db):
+            dw, db = param_grads(
+                x_rows, dy_rows, rstd, mean=mean,
+                dw_dtype=weight.dtype if need_dw else None, db_dtype=bias.dtype if need_db else None,
+            )
+        elif need_dw and need_db:
             dw, db = sum_partials(dw_partial, weight.dtype, db_partial, bias.dtype)
         elif need_dw:
             dw = sum_partials(dw_partial, weight.dtype)[0]

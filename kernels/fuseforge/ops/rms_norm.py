@@ -20,7 +20,9 @@ Memory traffic: the forward reads x (and the residual) once and writes y (and th
 residual) plus one fp32 rstd per row; the backward recomputes the normalized rows from
 x and rstd, reads dy once and writes dx once. The weight gradient is reduced
 deterministically: each program writes one fp32 partial row, summed in a fixed order by one
-small kernel (rowwise.sum_partials).
+small kernel (rowwise.sum_partials). Wide rows (rowwise.split_backward) read x and dy once
+more instead, for a column-parallel dw kernel (rowwise.param_grads) and a dx kernel without
+accumulators.
 dx goes to a fresh buffer rather than into dy: the traffic is the same, and dy may be a
 tensor someone else holds (the grad of an addition is handed to both of its inputs,
 `y.backward(g)` passes the caller's g), so overwriting it is not safe in general.
@@ -36,7 +38,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseforge.ops.rowwise import as_rows, compute_dtype, plan_row_tiles, round_to, row_tile, sum_partials
+from fuseforge.ops.rowwise import (
+    as_rows,
+    compute_dtype,
+    param_grads,
+    plan_row_tiles,
+    round_to,
+    row_tile,
+    split_backward,
+    sum_partials,
+)
 from fuseforge.ops.utils import (
     check_device_supported,
     check_positive,
@@ -176,21 +187,28 @@ def _rms_norm_backward(ctx, source, weight, rstd, dy, d_new_residual, need_dx, n
     torch_compute, tl_compute = ctx.compute
     dy_rows = as_rows(dy)
     ds_rows = as_rows(d_new_residual) if d_new_residual is not None else dy_rows
-    plan = plan_row_tiles(n_rows, n_cols, source.device, persistent=True)
+    round_normed = ctx.casting == "llama" and source.dtype != torch_compute
+    split = split_backward(n_cols)
+    fused_dw = need_dw and not split  # split: param_grads reduces dw down the columns instead
+    plan = plan_row_tiles(n_rows, n_cols, source.device, persistent=fused_dw)
     dx = torch.empty((n_rows, n_cols), dtype=source.dtype, device=source.device) if need_dx else dy_rows
     dw_partial = (
-        torch.empty((plan.num_programs, n_cols), dtype=torch_compute, device=source.device) if need_dw else rstd
+        torch.empty((plan.num_programs, n_cols), dtype=torch_compute, device=source.device) if fused_dw else rstd
     )
-    _rms_norm_bwd_kernel[(plan.num_programs,)](
-        source, dy_rows, ds_rows, weight, rstd, dx, dw_partial,
-        n_rows, n_cols, source.stride(0), dy_rows.stride(0), ds_rows.stride(0), plan.tiles_per_program, ctx.offset,
-        HAS_DS=d_new_residual is not None, STORE_DX=need_dx, STORE_DW=need_dw,
-        ROUND_NORMED=ctx.casting == "llama" and source.dtype != torch_compute,
-        COMPUTE=tl_compute, EMULATE_RNE=is_interpreter(),
-        ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps,
-    )
+    if need_dx or fused_dw:
+        _rms_norm_bwd_kernel[(plan.num_programs,)](
+            source, dy_rows, ds_rows, weight, rstd, dx, dw_partial,
+            n_rows, n_cols, source.stride(0), dy_rows.stride(0), ds_rows.stride(0), plan.tiles_per_program, ctx.offset,
+            HAS_DS=d_new_residual is not None, STORE_DX=need_dx, STORE_DW=fused_dw, ROUND_NORMED=round_normed,
+            COMPUTE=tl_compute, EMULATE_RNE=is_interpreter(),
+            ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps,
+        )
     dx = dx.view(ctx.x_shape) if need_dx else None
-    dw = sum_partials(dw_partial, weight.dtype)[0] if need_dw else None
+    dw = None
+    if split and need_dw:
+        dw = param_grads(source, dy_rows, rstd, dw_dtype=weight.dtype, round_normed=round_normed)[0]
+    elif need_dw:
+        dw = sum_partials(dw_partial, weight.dtype)[0]
     return dx, dw
 
 

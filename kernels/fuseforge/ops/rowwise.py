@@ -30,6 +30,16 @@ GPU_ELEMENTS_PER_THREAD = (32, 16)
 GPU_BWD_PROGRAMS_PER_SM = (2, 1)
 # Loop stages of the persistent backward, so the next tile's loads overlap this tile's math.
 GPU_BWD_STAGES = 2
+# Rows at least this wide take the split backward (`split_backward`): a row kernel without
+# weight/bias accumulators writes dx, and `param_grads` reduces dw/db down the columns.
+# Why: a persistent program holding [N] fp32 accumulators for dw and db runs out of
+# registers at N = 16384 (one 32-warp program per SM, spilling), which left LayerNorm's
+# backward at 1.2 TB/s on the H200. Reading x and dy a second time costs less than that.
+SPLIT_BACKWARD_MIN_COLS = 8192
+# Column kernel (GPU): tile of rows x columns, warps, and programs per SM it aims for.
+GPU_PARAM_GRAD_TILE = (16, 256)
+GPU_PARAM_GRAD_WARPS = 4
+GPU_PARAM_GRAD_PROGRAMS_PER_SM = 4
 # Interpreter: ~3.5 ms per program instance, while a tile's cost barely grows with its rows,
 # so tiles are as tall as this (NOTES: 64 rows per program is ~20x faster than one).
 INTERPRETER_ROW_BLOCK = 64
@@ -159,6 +169,93 @@ def sum_partials(
         HAS_SECOND=second is not None, EMULATE_RNE=is_interpreter(), BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4,
     )
     return out, out2
+
+
+def split_backward(n_cols: int) -> bool:
+    """Whether rows of `n_cols` take the split backward (dx kernel + column-parallel dw/db)."""
+    return row_launch_config(n_cols)[0] >= SPLIT_BACKWARD_MIN_COLS
+
+
+@triton.jit
+def _param_grads_kernel(
+    X, DY, MEAN, RSTD, DW_PARTIAL, DB_PARTIAL,
+    n_rows, n_cols, stride_x, stride_dy, rows_per_group,
+    HAS_MEAN: tl.constexpr, STORE_DW: tl.constexpr, STORE_DB: tl.constexpr, ROUND_NORMED: tl.constexpr,
+    COMPUTE: tl.constexpr, EMULATE_RNE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Over one group of rows and one block of columns: dw = sum dy * normed and db = sum dy,
+    with normed = (x - mean) * rstd (x * rstd without a mean; rounded to x's dtype when
+    ROUND_NORMED, as the llama-cast RMSNorm forward multiplies it)."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < n_cols
+    first = tl.program_id(1) * rows_per_group
+    end = tl.minimum(first + rows_per_group, n_rows)
+    dw_acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=COMPUTE)
+    db_acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=COMPUTE)
+    for r0 in range(first, end, BLOCK_R):
+        rows = r0 + tl.arange(0, BLOCK_R)
+        row_mask = rows < end
+        mask = row_mask[:, None] & col_mask[None, :]
+        rows64 = rows.to(tl.int64)
+        dy = tl.load(DY + rows64[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
+        if STORE_DW:
+            x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(COMPUTE)
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0).to(COMPUTE)
+            if HAS_MEAN:
+                x -= tl.load(MEAN + rows, mask=row_mask, other=0.0).to(COMPUTE)[:, None]
+            normed = x * rstd[:, None]
+            if ROUND_NORMED:
+                normed = round_to(normed, X.dtype.element_ty, EMULATE_RNE).to(COMPUTE)
+            dw_acc += dy * normed  # dy is 0 outside the mask
+        if STORE_DB:
+            db_acc += dy
+    out = tl.program_id(1) * n_cols + cols
+    if STORE_DW:
+        tl.store(DW_PARTIAL + out, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if STORE_DB:
+        tl.store(DB_PARTIAL + out, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+def param_grads(
+    x_rows: torch.Tensor,
+    dy_rows: torch.Tensor,
+    rstd: torch.Tensor,
+    *,
+    mean: torch.Tensor | None = None,
+    dw_dtype: torch.dtype | None = None,
+    db_dtype: torch.dtype | None = None,
+    round_normed: bool = False,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A norm's weight gradient (when `dw_dtype` is given) and bias gradient (`db_dtype`),
+    reduced down the columns of x and dy [rows, N]: column blocks times row groups fill the
+    GPU, each group writes one fp32 partial row, and sum_partials adds them in a fixed order."""
+    n_rows, n_cols = x_rows.shape
+    torch_compute, tl_compute = compute_dtype(x_rows, rstd)
+    if is_interpreter():
+        (block_r, block_c), warps, wanted = (64, 128), 4, num_programs_hint(x_rows.device)
+    else:
+        (block_r, block_c), warps = GPU_PARAM_GRAD_TILE, GPU_PARAM_GRAD_WARPS
+        wanted = num_programs_hint(x_rows.device) * GPU_PARAM_GRAD_PROGRAMS_PER_SM
+    block_c = min(block_c, triton.next_power_of_2(n_cols))
+    col_blocks = triton.cdiv(n_cols, block_c)
+    n_groups = max(1, min(triton.cdiv(wanted, col_blocks), triton.cdiv(n_rows, block_r)))
+    rows_per_group = triton.cdiv(triton.cdiv(n_rows, n_groups), block_r) * block_r
+    n_groups = triton.cdiv(n_rows, rows_per_group)
+    store_dw, store_db = dw_dtype is not None, db_dtype is not None
+    dw_partial = torch.empty((n_groups, n_cols), dtype=torch_compute, device=x_rows.device) if store_dw else None
+    db_partial = torch.empty((n_groups, n_cols), dtype=torch_compute, device=x_rows.device) if store_db else None
+    _param_grads_kernel[(col_blocks, n_groups)](
+        x_rows, dy_rows, mean if mean is not None else rstd, rstd,
+        dw_partial if store_dw else rstd, db_partial if store_db else rstd,
+        n_rows, n_cols, x_rows.stride(0), dy_rows.stride(0), rows_per_group,
+        HAS_MEAN=mean is not None, STORE_DW=store_dw, STORE_DB=store_db, ROUND_NORMED=round_normed,
+        COMPUTE=tl_compute, EMULATE_RNE=is_interpreter(), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+    )
+    if store_dw and store_db:
+        return sum_partials(dw_partial, dw_dtype, db_partial, db_dtype)
+    if store_dw:
+        return sum_partials(dw_partial, dw_dtype)[0], None
+    return None, sum_partials(db_partial, db_dtype)[0]
 
 
 def compute_dtype(*tensors: torch.Tensor | None) -> tuple[torch.dtype, tl.dtype]:
