@@ -35,11 +35,48 @@ def host_profile(fn, steps: int = 10, top: int = 18) -> str:
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
 
 
+def python_profile(fn, steps: int = 20, top: int = 30) -> str:
+    """cProfile of `steps` calls, by own time: the Python side of the launches."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def launch_costs() -> None:
+    """Host microseconds per launch: a small Triton kernel against a small aten op."""
+    from fuseforge.ops.targets import _BLOCK, _scan_targets_kernel
+
+    t = torch.randint(0, 100, (8192,), device="cuda")
+    inv = torch.empty(1, device="cuda")
+    found = torch.empty(2, dtype=torch.int64, device="cuda")
+
+    def triton_launch():
+        _scan_targets_kernel[(1,)](t, t.numel(), 100, -100, inv, found, BLOCK=_BLOCK, num_warps=8)
+
+    def aten_op():
+        inv.mul_(1.0)
+
+    for name, fn in [("triton kernel (7 args)", triton_launch), ("aten mul_", aten_op)]:
+        fn()
+        print(f"host per launch, {name}: {host_ms(fn, steps=200) * 1e3:.1f} us")
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", action="append", help="tokens,vocab (repeat); default 8192,32000")
     p.add_argument("--variants", default="fuseforge,fuseforge_inplace,compile")
     args = p.parse_args()
+    launch_costs()
     shapes = [tuple(int(n) for n in s.split(",")) for s in (args.shape or ["8192,32000"])]
     for n, v in shapes:
         torch.manual_seed(0)
@@ -53,6 +90,8 @@ def main() -> int:
             host = host_ms(fn)
             print(f"\n### cross_entropy {n}x{v} {name}: do_bench {ms:.3f} ms, graph {graph:.3f} ms, host {host:.3f} ms/step")
             print(host_profile(fn), flush=True)
+            if name.startswith("fuseforge"):
+                print(python_profile(fn), flush=True)
             for t in case.leaves:
                 t.grad = None
     return 0

@@ -478,11 +478,14 @@ class _CrossEntropyFunction(torch.autograd.Function):
             loss = loss_tok.sum() * inv_count.reshape(())
         ctx.opts, ctx.reduction, ctx.inplace_grad = opts, reduction, inplace_grad
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zeros are built for lse's (unused) gradient
         return loss.to(logits.dtype), lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_lse):
+        if grad_loss is None:
+            return None, None, None, None, None, None
         raise_pending_target_errors()
         logits, target, lse, inv_count = ctx.saved_tensors
         if ctx.reduction == "none":

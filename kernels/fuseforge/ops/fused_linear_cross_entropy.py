@@ -219,11 +219,14 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 if grads is not None:
                     ctx.save_for_backward(grads.hidden, grads.weight, grads.bias)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zeros are built for lse's (unused) gradient
         return loss, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_lse):
+        if grad_loss is None:
+            return (None,) * 9
         raise_pending_target_errors()
         if ctx.reduction == "none":
             hidden, weight, bias, target = ctx.saved_tensors

@@ -6,6 +6,7 @@ message (naming the argument) before anything reaches a Triton kernel.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Iterable
 
@@ -53,8 +54,14 @@ def upcast(x, FP64: tl.constexpr):
 def num_programs_hint(device: torch.device) -> int:
     """Number of streaming multiprocessors (or a small constant on the CPU interpreter)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 4
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    # Cached: every launch plans its grid with it, and launches are host-bound on small ops.
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def check_tensor(
