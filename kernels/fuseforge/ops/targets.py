@@ -85,11 +85,13 @@ def raise_pending_target_errors(wait: bool = False) -> None:
     global _pending
     if not _pending or torch.cuda.is_current_stream_capturing():  # no event queries inside a capture
         return
-    ready, waiting = [], []
     with _lock:
-        for p in _pending:
-            (ready if wait or p.done.query() else waiting).append(p)
-        _pending = waiting
+        # Scans finish in launch order on one stream, so the first unfinished one ends the
+        # search: a GPU running far behind costs one event query per call, not one per scan.
+        n_ready = len(_pending)
+        if not wait:
+            n_ready = next((i for i, p in enumerate(_pending) if not p.done.query()), n_ready)
+        ready, _pending = _pending[:n_ready], _pending[n_ready:]
     for p in ready:
         if wait:
             p.done.synchronize()
