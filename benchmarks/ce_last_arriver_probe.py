@@ -187,7 +187,7 @@ def main() -> int:
         del leaf, split
         scale = torch.full((1,), 1.0 / max(int((target != -100).sum()), 1), device="cuda")
         grad = torch.empty_like(logits)
-        for vps, bv, gbv, warps in itertools.product([4096, 8192, 16384], [2048, 4096], [4096, 8192], [4, 8, 16]):
+        for vps, bv, gbv, warps in itertools.product([4096, 8192, 16384], [4096], [4096, 8192], [4, 8, 16]):
             if bv > vps:
                 continue
             cfg = dict(vocab_per_split=vps, block_v=bv, grad_block_v=gbv, num_warps=warps)
