@@ -163,6 +163,8 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--shape", action="append")
     p.add_argument("--smoke", action="store_true", help="small shapes, correctness only (CPU interpreter)")
+    p.add_argument("--splits", type=int, nargs="+", default=[4096, 8192, 16384], help="vocabulary per slice program")
+    p.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16])
     args = p.parse_args()
     if args.smoke:
         for n, v, vps in [(5, 300, 128), (7, 1000, 256), (3, 77, 1024)]:
@@ -187,7 +189,7 @@ def main() -> int:
         del leaf, split
         scale = torch.full((1,), 1.0 / max(int((target != -100).sum()), 1), device="cuda")
         grad = torch.empty_like(logits)
-        for vps, bv, gbv, warps in itertools.product([4096, 8192, 16384], [4096], [4096, 8192], [4, 8, 16]):
+        for vps, bv, gbv, warps in itertools.product(args.splits, [4096], [4096, 8192], args.warps):
             if bv > vps:
                 continue
             cfg = dict(vocab_per_split=vps, block_v=bv, grad_block_v=gbv, num_warps=warps)
