@@ -35,8 +35,8 @@ GPU_BWD_STAGES = 2
 # Why: a persistent program holding [N] fp32 accumulators for dw and db runs out of
 # registers at N = 16384 (one 32-warp program per SM, spilling), which left LayerNorm's
 # backward at 1.2 TB/s on the H200. Reading x and dy a second time costs less than that at
-# 16384 columns (LayerNorm 2048x16384: 0.213 -> 0.156 ms of kernels per step, RMSNorm level),
-# but more at 8192 (0.249 -> 0.28-0.32 ms), session 4 in benchmarks/RESULTS.md.
+# 16384 columns (LayerNorm 2048x16384: 0.213 -> 0.156 ms of kernels per step; RMSNorm level),
+# but more at 8192 (LayerNorm 8192x8192: 0.249 -> 0.28-0.32 ms); session 4 in benchmarks/RESULTS.md.
 SPLIT_BACKWARD_MIN_COLS = 16384
 # Column kernel (GPU): tile of rows x columns, warps, and programs per SM it aims for.
 GPU_PARAM_GRAD_TILE = (8, 512)

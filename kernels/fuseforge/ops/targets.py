@@ -88,6 +88,7 @@ def raise_pending_target_errors(wait: bool = False) -> None:
     with _lock:
         # Scans finish in launch order on one stream, so the first unfinished one ends the
         # search: a GPU running far behind costs one event query per call, not one per scan.
+        # (A finished scan queued behind another stream's unfinished one is reported later, never lost.)
         n_ready = len(_pending)
         if not wait:
             n_ready = next((i for i, p in enumerate(_pending) if not p.done.query()), n_ready)
