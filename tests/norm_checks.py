@@ -9,7 +9,23 @@ lands across a rounding boundary (~1e-4 of elements), a misplaced rounding on ~2
 
 import torch
 
+from fuseforge.ops import rowwise
 from tolerances import assert_close, tol
+
+
+def force_split_backward(monkeypatch, norm_module) -> list:
+    """Make every row width take the split backward (row kernel for dx, column kernel for the
+    weight/bias gradients) and record each `param_grads` call `norm_module` makes (its kwargs)."""
+    monkeypatch.setattr(rowwise, "SPLIT_BACKWARD_MIN_COLS", 1)
+    calls = []
+    real = rowwise.param_grads
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(norm_module, "param_grads", counted)
+    return calls
 
 
 def assert_matches_reference(

@@ -8,7 +8,7 @@ from fuseforge.modules.norms import LayerNorm
 from fuseforge.ops import layer_norm as layer_norm_module
 from fuseforge.ops import rowwise
 from fuseforge.ops.layer_norm import layer_norm
-from norm_checks import assert_matches_reference, least_precise
+from norm_checks import assert_matches_reference, force_split_backward, least_precise
 from tolerances import assert_close
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -73,18 +73,8 @@ def test_multi_tile_persistent_path(monkeypatch, device):
 
 @pytest.fixture
 def split_backward(monkeypatch):
-    """Every row width takes the split backward (row kernel for dx, column kernel for dw/db),
-    with row groups of the column kernel short enough that several partial rows are summed."""
-    monkeypatch.setattr(rowwise, "SPLIT_BACKWARD_MIN_COLS", 1)
-    calls = []
-    real = rowwise.param_grads
-
-    def counted(*args, **kwargs):
-        calls.append(kwargs)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(layer_norm_module, "param_grads", counted)
-    return calls
+    """Every row width takes the split backward; the param_grads calls it made."""
+    return force_split_backward(monkeypatch, layer_norm_module)
 
 
 @pytest.mark.parametrize("shape", [(3, 7), (130, 127), (2, 70, 300)], ids=str)
