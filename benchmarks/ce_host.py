@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run  # noqa: E402
 from common import cuda_graph_ms, fwd_bwd, time_ms  # noqa: E402
-from tune import host_ms  # noqa: E402
+from tune import host_ms, python_profile  # noqa: E402
 
 
 def host_profile(fn, steps: int = 10, top: int = 18) -> str:
@@ -33,23 +33,6 @@ def host_profile(fn, steps: int = 10, top: int = 18) -> str:
             fn()
         torch.cuda.synchronize()
     return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
-
-
-def python_profile(fn, steps: int = 20, top: int = 30) -> str:
-    """cProfile of `steps` calls, by own time: the Python side of the launches."""
-    import cProfile
-    import io
-    import pstats
-
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        fn()
-    prof.disable()
-    torch.cuda.synchronize()
-    out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
-    return out.getvalue()
 
 
 def launch_costs() -> None:
@@ -91,7 +74,7 @@ def main() -> int:
             print(f"\n### cross_entropy {n}x{v} {name}: do_bench {ms:.3f} ms, graph {graph:.3f} ms, host {host:.3f} ms/step")
             print(host_profile(fn), flush=True)
             if name.startswith("fuseforge"):
-                print(python_profile(fn), flush=True)
+                print(python_profile(fn, top=30), flush=True)
             for t in case.leaves:
                 t.grad = None
     return 0

@@ -98,9 +98,10 @@ def host_ms(fn, steps=10):
     return (t1 - t0) / steps * 1e3
 
 
-def python_profile(fn, steps=20):
-    """Where the host time of a step goes (Python functions, launches included)."""
+def python_profile(fn, steps: int = 20, top: int = 10) -> str:
+    """Where the host time of a step goes (Python functions, launches included), by own time."""
     import cProfile
+    import io
     import pstats
 
     prof = cProfile.Profile()
@@ -109,7 +110,9 @@ def python_profile(fn, steps=20):
         fn()
     prof.disable()
     torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(10)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
 
 
 def profile(fn, steps=5):
@@ -149,7 +152,7 @@ def main() -> int:
             print(f"\n### {op} {case.shape}: host {host_ms(fn):.3f} ms/step; kernels (us/step, calls/step):")
             for us, calls, name in profile(fn):
                 print(f"  {us:9.1f} {calls:3d}  {name}")
-            python_profile(fn)
+            print(python_profile(fn))
         results = []
         for values in itertools.product(*grid.values()):
             setting = dict(zip(grid, values))
