@@ -105,7 +105,7 @@ def test_large_logits_are_stable(scale):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU tile shapes (the interpreter uses its own)")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_rows_of_many_tiles(dtype):
-    n, v = 19, 50001  # rows of several _GPU_FUSED_BLOCK_V tiles, the last one ragged
+    n, v = 19, 50001  # rows of several GPU tiles (4096 wide), the last one ragged
     logits = (torch.randn(n, v) * 3).to(dtype)
     options = dict(label_smoothing=0.1, z_loss_scale=1e-3, softcap=30.0)
     loss, grad, ref, ref_grad = _run(logits, random_targets(n, v), "sum", **options)

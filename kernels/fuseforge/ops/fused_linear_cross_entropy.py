@@ -194,7 +194,6 @@ def _sweep(hidden, weight, bias, target, opts: LossOptions, scale, wanted: _Want
             ce_forward_stats(logits, target[s:e], opts, loss_out=loss[s:e], lse_out=lse[s:e])
             if grads is not None:
                 ce_write_grad(logits, target[s:e], lse[s:e], _rows(scale, s, e), opts, out=logits)
-            if grads is not None:
                 grads.add_chunk(logits, hidden[s:e], weight, slice(s, e))
         del scratch
     if grads is not None:
