@@ -165,18 +165,13 @@ class _LayerNormFunction(torch.autograd.Function):
                 ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps,
             )
         dx = dx.view(ctx.x_shape) if need_dx else None
+        dw_dtype = weight.dtype if need_dw else None
+        db_dtype = bias.dtype if need_db else None
         dw = db = None
         if split and (need_dw or need_db):
-            dw, db = param_grads(
-                x_rows, dy_rows, rstd, mean=mean,
-                dw_dtype=weight.dtype if need_dw else None, db_dtype=bias.dtype if need_db else None,
-            )
-        elif need_dw and need_db:
-            dw, db = sum_partials(dw_partial, weight.dtype, db_partial, bias.dtype)
-        elif need_dw:
-            dw = sum_partials(dw_partial, weight.dtype)[0]
-        elif need_db:
-            db = sum_partials(db_partial, bias.dtype)[0]
+            dw, db = param_grads(x_rows, dy_rows, rstd, mean=mean, dw_dtype=dw_dtype, db_dtype=db_dtype)
+        elif need_dw or need_db:
+            dw, db = sum_partials(dw_partial if need_dw else None, dw_dtype, db_partial if need_db else None, db_dtype)
         return dx, dw, db, None
 
 

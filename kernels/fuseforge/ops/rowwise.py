@@ -154,10 +154,16 @@ def _sum_partials_kernel(
 
 
 def sum_partials(
-    partial: torch.Tensor, dtype: torch.dtype, second: torch.Tensor | None = None, second_dtype: torch.dtype | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    partial: torch.Tensor | None,
+    dtype: torch.dtype | None,
+    second: torch.Tensor | None = None,
+    second_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Column sums of one or two [programs, N] partial-sum buffers (a weight's and a bias's
-    gradient), each in its parameter's dtype: one launch where `.sum(0).to(dtype)` takes two per buffer."""
+    gradient), each in its parameter's dtype: one launch where `.sum(0).to(dtype)` takes two per buffer.
+    Either buffer may be None (that gradient is not wanted); its sum is then None too."""
+    if partial is None:
+        return None, (sum_partials(second, second_dtype)[0] if second is not None else None)
     n_partials, n_cols = partial.shape
     out = torch.empty(n_cols, dtype=dtype, device=partial.device)
     out2 = torch.empty(n_cols, dtype=second_dtype, device=partial.device) if second is not None else None
@@ -253,11 +259,7 @@ def param_grads(
         HAS_MEAN=mean is not None, STORE_DW=store_dw, STORE_DB=store_db, ROUND_NORMED=round_normed,
         COMPUTE=tl_compute, EMULATE_RNE=is_interpreter(), BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
     )
-    if store_dw and store_db:
-        return sum_partials(dw_partial, dw_dtype, db_partial, db_dtype)
-    if store_dw:
-        return sum_partials(dw_partial, dw_dtype)[0], None
-    return None, sum_partials(db_partial, db_dtype)[0]
+    return sum_partials(dw_partial, dw_dtype, db_partial, db_dtype)
 
 
 def compute_dtype(*tensors: torch.Tensor | None) -> tuple[torch.dtype, tl.dtype]:
