@@ -128,7 +128,7 @@ def read_documents(uri: str) -> List[str]:
 
 
 def builtin_text_path() -> str:
-    return str(resources.files("fuseforge_flyte") / "data" / BUILTIN_TEXT_FILE)
+    return str(resources.files("fuseforge_flyte") / "data" / "assets" / BUILTIN_TEXT_FILE)
 
 
 def load_dataset(name: str, *, seq_len: int, vocab_size: int, seed: int):
