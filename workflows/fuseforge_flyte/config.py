@@ -175,8 +175,18 @@ class CheckpointConfig:
     keep_last: int = _setting(2, **_at_least(1))
 
 
+@dataclass(frozen=True)
+class DataConfig:
+    """The CPU pod that prepares data (tokenize, mask, pack, write shards) before any GPU is asked for."""
+
+    cpu: Quantity = _setting("4", desc='a Kubernetes quantity such as "4" or "500m"')
+    memory: Quantity = _setting("16Gi", desc='a Kubernetes quantity such as "16Gi"')
+
+
 # TrainSpec fields that platform.toml sets in [checkpoint] rather than [training].
 _CHECKPOINT_FIELDS = {"checkpoint_dir": "dir", "checkpoint_every": "every", "keep_last": "keep_last"}
+# TrainSpec fields that are per run, never platform defaults (the task chooses where the model goes).
+_PER_RUN_FIELDS = {"output_dir"}
 
 def _training_defaults_class() -> type:
     """[training] mirrors TrainSpec (minus the checkpoint fields), so the two cannot drift apart.
@@ -186,7 +196,7 @@ def _training_defaults_class() -> type:
     hints = typing.get_type_hints(TrainSpec)
     specs = []
     for f in fields(TrainSpec):
-        if f.name in _CHECKPOINT_FIELDS:
+        if f.name in _CHECKPOINT_FIELDS or f.name in _PER_RUN_FIELDS:
             continue
         default = field(default=f.default) if f.default is not MISSING else field(default_factory=f.default_factory)
         specs.append((f.name, hints[f.name], default))
@@ -209,6 +219,7 @@ class PlatformConfig:
     elastic: ElasticConfig
     training: TrainingDefaults  # type: ignore[valid-type]
     checkpoint: CheckpointConfig
+    data: DataConfig = DataConfig()
     source: str = field(default="built-in defaults", compare=False)  # where it was read from, for messages
 
     def train_spec(self, **overrides: Any) -> TrainSpec:
@@ -247,6 +258,7 @@ _SECTIONS: Dict[str, type] = {
     "elastic": ElasticConfig,
     "training": TrainingDefaults,
     "checkpoint": CheckpointConfig,
+    "data": DataConfig,
 }
 
 # Values for the required keys when no config file exists at all (the repo's platform.toml has the same).

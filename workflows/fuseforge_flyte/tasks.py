@@ -1,4 +1,10 @@
-"""Flyte tasks: elastic multi-GPU training, and the with/without-kernels summary.
+"""Flyte tasks: data preparation on a CPU pod (cached), elastic multi-GPU training, and the
+with/without-kernels summary.
+
+Data flows as: `fingerprint_data` (hashes what the dataset, tokenizer and model config hold) ->
+`prepare_data` (cached on that fingerprint and the preparation options: tokenize, mask, pack, write
+shards to a FlyteDirectory) -> `train_model` (reads only the shards; returns the metrics and the
+trained model as a FlyteDirectory in Hugging Face format).
 
 Registration-time config: the decorator arguments (image, GPUs, CPU, memory, /dev/shm, node selector,
 tolerations, elastic nnodes/nproc_per_node/max_restarts) are read from platform.toml when this module
@@ -16,17 +22,21 @@ import contextlib
 import dataclasses
 import os
 import sys
-from typing import Any, Callable, Dict, Iterator, Optional
+import tempfile
+from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Union
 
 from flytekit import Deck, PodTemplate, Resources, task
 from flytekit.core.context_manager import FlyteContextManager
 from flytekit.extend import TaskPlugins
 from flytekit.extras.accelerators import GPUAccelerator
+from flytekit.types.directory import FlyteDirectory
+from flytekit.types.file import FlyteFile
 from flytekitplugins.kfpytorch.task import Elastic, PytorchElasticFunctionTask
 from kubernetes.client import V1PodSpec, V1Toleration
 
 from fuseforge_flyte.comparison import Comparison, compare_metrics
 from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, PlatformConfig, get_config
+from fuseforge_flyte.console import ensure_console_logging
 from fuseforge_flyte.image import training_image
 from fuseforge_flyte.training.distributed import SHARED_STORE_ENV
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
@@ -46,6 +56,8 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
     """Runs as registered on the cluster; locally, one node of `local_nproc_per_node` workers."""
 
     def execute(self, **kwargs: Any) -> Any:
+        if "data" in kwargs:  # fetched once per pod, before the workers start; they read the local copy
+            kwargs["data"] = FlyteDirectory(path=kwargs["data"].download())
         if self.task_config.check_inputs is not None:
             self.task_config.check_inputs(**kwargs)
         # A fresh rendezvous store per restart round, or restarted workers can read the dead round's
@@ -128,9 +140,13 @@ def elastic_config(config: PlatformConfig, check_inputs: Optional[Callable[..., 
     )
 
 
-def check_train_inputs(**inputs: Any) -> None:
-    """train_model's inputs are TrainSpec's fields: raise ValueError/TypeError naming the first bad one."""
-    TrainSpec(**inputs).validate()
+def check_train_inputs(data: FlyteDirectory, **inputs: Any) -> None:
+    """The run as the workers will see it, checked in the launching process: bad inputs, an unknown model,
+    or data that does not fit the model fail once, before any worker (or GPU) starts."""
+    spec = TrainSpec(dataset=data.path, **inputs).validate()
+    from fuseforge_flyte.training.data import check_prepared_fits
+
+    check_prepared_fits(spec)
 
 
 def pod_template(config: PlatformConfig) -> Optional[PodTemplate]:
@@ -178,6 +194,17 @@ def training_task_options(config: PlatformConfig, check_inputs: Optional[Callabl
     return options
 
 
+def data_task_options(config: PlatformConfig) -> Dict[str, Any]:
+    """Data preparation runs on a CPU pod of [data]'s size, in the training image."""
+    return dict(
+        container_image=training_image(config),
+        requests=Resources(cpu=config.data.cpu, mem=config.data.memory),
+        limits=Resources(mem=config.data.memory),
+        environment={RESOLVED_CONFIG_ENV: config.to_json()},
+        retries=config.flyte.retries,
+    )
+
+
 def summary_task_options(config: PlatformConfig) -> Dict[str, Any]:
     """The comparison summary is light: same image, a small pod, no GPU."""
     return dict(
@@ -195,7 +222,68 @@ CONFIG = get_config()
 DEFAULTS = CONFIG.train_spec()
 
 
-def run_training(spec: TrainSpec) -> TrainMetrics:
+# A dataset is a hub id or URI (str), or local files that `pyflyte run --remote` uploads (FlyteFile/-Directory).
+DataSource = Union[FlyteFile, FlyteDirectory, str]
+# Bump when the prepared format or the preparation's results change: cached preparations are then redone.
+DATA_CACHE_VERSION = "1"
+
+
+class TrainOutput(NamedTuple):
+    metrics: TrainMetrics
+    model: FlyteDirectory
+
+
+def source_path(dataset: DataSource) -> str:
+    """A local path (uploaded files downloaded) or the string as given (hub id, URI, builtin:, bench:)."""
+    if isinstance(dataset, (FlyteFile, FlyteDirectory)):
+        return dataset.download()
+    return dataset
+
+
+@task(**data_task_options(CONFIG))
+def fingerprint_data(dataset: DataSource, eval_dataset: str, tokenizer: str, model: str) -> str:
+    """A hash of what the sources hold (file bytes, object ETags), the key prepare_data is cached on."""
+    from fuseforge_flyte.data.fingerprint import fingerprint
+
+    if isinstance(dataset, (FlyteFile, FlyteDirectory)) and dataset.remote_source:
+        dataset = dataset.remote_source  # uploaded: the store's own identity, no download
+    return fingerprint(source_path(dataset), eval_dataset, tokenizer, model)
+
+
+@task(**data_task_options(CONFIG), cache=True, cache_version=DATA_CACHE_VERSION, cache_ignore_input_vars=("dataset",))
+def prepare_data(
+    dataset: DataSource,
+    fingerprint: str,
+    model: str,
+    tokenizer: str,
+    data_format: str,
+    dataset_config: str,
+    dataset_split: str,
+    seq_len: int,
+    packing: bool,
+    eval_fraction: float,
+    eval_dataset: str,
+    seed: int,
+) -> FlyteDirectory:
+    """Tokenize, mask and pack `dataset` into shards for `model` (cached on `fingerprint` and the options)."""
+    from fuseforge_flyte.data.prepare import prepare
+    from fuseforge_flyte.data.spec import DataSpec
+    from fuseforge_flyte.training.data import BENCHMARK_DATASETS, write_benchmark_marker
+
+    out_dir = tempfile.mkdtemp(prefix="fuseforge-data-")
+    source = source_path(dataset)
+    if source in BENCHMARK_DATASETS:
+        write_benchmark_marker(out_dir, source)
+        return FlyteDirectory(path=out_dir)
+    spec = DataSpec(dataset=source, model=model, seq_len=seq_len, tokenizer=tokenizer, data_format=data_format,
+                    dataset_config=dataset_config, dataset_split=dataset_split, eval_fraction=eval_fraction,
+                    eval_dataset=eval_dataset, packing=packing, seed=seed).validate()
+    ensure_console_logging()
+    prepare(spec, out_dir)
+    return FlyteDirectory(path=out_dir)
+
+
+def run_training(spec: TrainSpec) -> TrainOutput:
     """One elastic worker: train, and on global rank 0 add the metrics Deck (only rank 0's comes back)."""
     spec.validate()
     use_triton_interpreter_without_cuda()
@@ -213,13 +301,13 @@ def run_training(spec: TrainSpec) -> TrainMetrics:
     metrics = train(spec)
     if int(os.environ.get("RANK", "0")) == 0:
         Deck("Training metrics", training_deck_html(metrics))
-    return metrics
+    return TrainOutput(metrics=metrics, model=FlyteDirectory(path=spec.output_dir))
 
 
 @task(**training_task_options(CONFIG, check_inputs=check_train_inputs))
 def train_model(
+    data: FlyteDirectory,
     model: str = DEFAULTS.model,
-    dataset: str = DEFAULTS.dataset,
     steps: int = DEFAULTS.steps,
     batch_size: int = DEFAULTS.batch_size,
     seq_len: int = DEFAULTS.seq_len,
@@ -236,17 +324,19 @@ def train_model(
     dtype: str = DEFAULTS.dtype,
     gradient_checkpointing: bool = DEFAULTS.gradient_checkpointing,
     seed: int = DEFAULTS.seed,
+    eval_every: int = DEFAULTS.eval_every,
     checkpoint_dir: Optional[str] = DEFAULTS.checkpoint_dir,
     checkpoint_every: int = DEFAULTS.checkpoint_every,
     keep_last: int = DEFAULTS.keep_last,
     nonfinite_policy: str = DEFAULTS.nonfinite_policy,
     log_every: int = DEFAULTS.log_every,
-) -> TrainMetrics:
-    """Train `model` with torch elastic on this task's GPUs; returns rank 0's throughput/memory/loss metrics."""
+) -> TrainOutput:
+    """Train `model` on the prepared `data` with torch elastic on this task's GPUs; returns rank 0's
+    throughput/memory/loss metrics and the trained model (Hugging Face format)."""
     return run_training(
         TrainSpec(
+            dataset=data.path,
             model=model,
-            dataset=dataset,
             steps=steps,
             batch_size=batch_size,
             seq_len=seq_len,
@@ -263,11 +353,13 @@ def train_model(
             dtype=dtype,
             gradient_checkpointing=gradient_checkpointing,
             seed=seed,
+            eval_every=eval_every,
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every,
             keep_last=keep_last,
             nonfinite_policy=nonfinite_policy,
             log_every=log_every,
+            output_dir=tempfile.mkdtemp(prefix="fuseforge-model-"),
         )
     )
 

@@ -1,8 +1,10 @@
 """Flyte workflows: `train` (one run) and `compare` (the same run with and without the kernels).
 
+Both prepare the data first on a CPU pod (cached: a second run with the same dataset contents,
+tokenizer, format and seq_len reuses the shards), then train on the GPU pods.
 Input defaults come from platform.toml's [training] and [checkpoint] tables (read at import).
 Run locally:   pyflyte run workflows/train.py train --model tiny-llama --steps 20
-On a cluster:  pyflyte run --remote workflows/train.py train --model meta-llama/Llama-3.2-1B --steps 200
+On a cluster:  pyflyte run --remote workflows/train.py train --model meta-llama/Llama-3.2-1B --dataset ./chat.jsonl
 """
 
 from __future__ import annotations
@@ -11,15 +13,35 @@ from typing import Optional
 
 from flytekit import workflow
 
+from flytekit.core.promise import Promise
+
 from fuseforge_flyte.comparison import Comparison
-from fuseforge_flyte.tasks import DEFAULTS, summarize_comparison, train_model
-from fuseforge_flyte.training.spec import TrainMetrics
+from fuseforge_flyte.tasks import (DEFAULTS, DataSource, TrainOutput, fingerprint_data, prepare_data,
+                                   summarize_comparison, train_model)
+
+
+def _prepared(dataset, model, tokenizer, data_format, dataset_config, dataset_split, seq_len, packing,
+              eval_fraction, eval_dataset, seed) -> Promise:
+    """The fingerprint task, then the cached preparation keyed on it: the shards as a FlyteDirectory."""
+    fingerprint = fingerprint_data(dataset=dataset, eval_dataset=eval_dataset, tokenizer=tokenizer, model=model)
+    return prepare_data(dataset=dataset, fingerprint=fingerprint, model=model, tokenizer=tokenizer,
+                        data_format=data_format, dataset_config=dataset_config, dataset_split=dataset_split,
+                        seq_len=seq_len, packing=packing, eval_fraction=eval_fraction, eval_dataset=eval_dataset,
+                        seed=seed)
 
 
 @workflow
 def train(
     model: str = DEFAULTS.model,
-    dataset: str = DEFAULTS.dataset,
+    dataset: DataSource = DEFAULTS.dataset,
+    tokenizer: str = DEFAULTS.tokenizer,
+    data_format: str = DEFAULTS.data_format,
+    dataset_config: str = DEFAULTS.dataset_config,
+    dataset_split: str = DEFAULTS.dataset_split,
+    packing: bool = DEFAULTS.packing,
+    eval_fraction: float = DEFAULTS.eval_fraction,
+    eval_dataset: str = DEFAULTS.eval_dataset,
+    eval_every: int = DEFAULTS.eval_every,
     steps: int = DEFAULTS.steps,
     batch_size: int = DEFAULTS.batch_size,
     seq_len: int = DEFAULTS.seq_len,
@@ -41,11 +63,16 @@ def train(
     keep_last: int = DEFAULTS.keep_last,
     nonfinite_policy: str = DEFAULTS.nonfinite_policy,
     log_every: int = DEFAULTS.log_every,
-) -> TrainMetrics:
-    """Train a causal LM (optionally with the fuseforge kernels); returns throughput, memory and loss metrics."""
+) -> TrainOutput:
+    """Fine-tune or train a causal LM on a dataset (optionally with the fuseforge kernels).
+
+    Returns the throughput/memory/loss/eval metrics and the trained model as a Hugging Face directory.
+    """
+    data = _prepared(dataset, model, tokenizer, data_format, dataset_config, dataset_split, seq_len, packing,
+                     eval_fraction, eval_dataset, seed)
     return train_model(
+        data=data,
         model=model,
-        dataset=dataset,
         steps=steps,
         batch_size=batch_size,
         seq_len=seq_len,
@@ -62,6 +89,7 @@ def train(
         dtype=dtype,
         gradient_checkpointing=gradient_checkpointing,
         seed=seed,
+        eval_every=eval_every,
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,
         keep_last=keep_last,
@@ -73,7 +101,12 @@ def train(
 @workflow
 def compare(
     model: str = DEFAULTS.model,
-    dataset: str = DEFAULTS.dataset,
+    dataset: DataSource = DEFAULTS.dataset,
+    tokenizer: str = DEFAULTS.tokenizer,
+    data_format: str = DEFAULTS.data_format,
+    dataset_config: str = DEFAULTS.dataset_config,
+    dataset_split: str = DEFAULTS.dataset_split,
+    packing: bool = DEFAULTS.packing,
     steps: int = DEFAULTS.steps,
     batch_size: int = DEFAULTS.batch_size,
     seq_len: int = DEFAULTS.seq_len,
@@ -96,9 +129,11 @@ def compare(
 
     No checkpointing: both runs must start from step 0 for the comparison to mean anything.
     """
+    data = _prepared(dataset, model, tokenizer, data_format, dataset_config, dataset_split, seq_len, packing,
+                     0.0, "", seed)
     shared = dict(
+        data=data,
         model=model,
-        dataset=dataset,
         steps=steps,
         batch_size=batch_size,
         seq_len=seq_len,
@@ -121,4 +156,4 @@ def compare(
     )
     fused = train_model(kernels=True, **shared).with_overrides(name="train-with-kernels")
     baseline = train_model(kernels=False, **shared).with_overrides(name="train-without-kernels")
-    return summarize_comparison(with_kernels=fused, without_kernels=baseline)
+    return summarize_comparison(with_kernels=fused.metrics, without_kernels=baseline.metrics)

@@ -1,45 +1,57 @@
-"""Training data: tokenization, the built-in datasets, and deterministic per-rank sharding.
+"""What the engine trains on: prepared shards, two benchmark-only datasets, and deterministic sharding.
 
-Every dataset is a list of fixed-length token sequences addressed by index, so a
-step's batch is a pure function of (seed, epoch, index): resuming from a saved
-`DataPosition` replays exactly the batches an uninterrupted run would have seen,
-and the global batch of a step is the same whatever the world size (only its
-split over ranks changes), which is what lets 1 and N processes be compared.
+Every dataset is a list of fixed-length samples addressed by index, so a step's batch is a pure
+function of (seed, epoch, index): resuming from a saved `DataPosition` replays exactly the batches
+an uninterrupted run would have seen, and the global batch of a step is the same whatever the
+world size (only its split over ranks changes), which is what lets 1 and N processes be compared.
+A sample is a dict of [seq_len] tensors: ``input_ids``, ``labels`` (aligned with the inputs, -100
+where no loss is taken; the model shifts them) and, for packed data, ``position_ids``.
 
-Datasets:
-- ``builtin:synthetic``: random phrases over the model's whole vocabulary in which
-  each token follows the previous one by a seeded random successor rule; phrases
-  start at random. Cheap, unbounded, and learnable (7 of 8 tokens are predictable),
-  so the loss falls in a benchmark as it would on text.
-- ``builtin:text``: a small English text shipped with the package.
-- a local path or fsspec URI to a ``.txt`` file (blank-line separated documents)
-  or a ``.jsonl`` file with one ``{"text": ...}`` object per line.
-
-Text is tokenized to bytes (vocabulary 256 + BOS/EOS/PAD = 259), documents are
-wrapped in BOS/EOS and packed into one stream that is cut into sequences.
+Datasets (TrainSpec.dataset):
+- a directory written by ``fuseforge_flyte.data.prepare`` (the Flyte data-preparation task's output):
+  tokenized with the model's tokenizer, loss-masked, packed; see fuseforge_flyte.data.
+- anything else that fuseforge_flyte.data reads (a hub id, files, ``builtin:chat``...): prepared here
+  first, by local rank 0 of each node into a cache directory (runs without Flyte).
+- ``bench:synthetic`` (benchmark only): random phrases over the model's whole vocabulary in which each
+  token follows the previous one by a seeded random successor rule. Cheap, unbounded and learnable, so
+  the loss falls in a benchmark as it would on text.
+- ``bench:bytes`` (benchmark only): the shipped English corpus as bytes (vocabulary 256 + BOS/EOS/PAD =
+  259), packed as one stream. No tokenizer needed; never use it to fine-tune a pretrained model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 from dataclasses import dataclass
 from importlib import resources
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
+
+log = logging.getLogger("fuseforge.training")
 
 BOS_ID = 256
 EOS_ID = 257
 PAD_ID = 258
 BYTE_VOCAB_SIZE = 259
+IGNORE_INDEX = -100
 
-SYNTHETIC = "builtin:synthetic"
-BUILTIN_TEXT = "builtin:text"
-BUILTIN_TEXT_FILE = "tiny_corpus.txt"
+SYNTHETIC = "bench:synthetic"
+BYTES = "bench:bytes"
+BENCHMARK_DATASETS = (SYNTHETIC, BYTES)
+# A "prepared" directory that only names a benchmark dataset (what the Flyte preparation task returns for one).
+BENCH_MARKER = "fuseforge_bench.json"
+BYTES_CORPUS_FILE = "tiny_corpus.txt"
+DATA_CACHE_ENV = "FUSEFORGE_DATA_CACHE"  # where runs without Flyte keep prepared data (default ~/.cache/fuseforge/data)
 
 _SYNTHETIC_PHRASES = 512
 _SYNTHETIC_PHRASE_LEN = 8
 _SYNTHETIC_SIZE = 2**31 - 1  # "unbounded": far more sequences than any run consumes
+
+Sample = Dict[str, torch.Tensor]
 
 
 def encode(text: str) -> List[int]:
@@ -52,8 +64,13 @@ def decode(ids: Sequence[int]) -> str:
     return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-class PackedTokens:
-    """A token stream cut into consecutive sequences of `seq_len` (the tail is dropped)."""
+def _lm_sample(ids: torch.Tensor) -> Sample:
+    """Plain language modelling on every token: the labels are the inputs."""
+    return {"input_ids": ids, "labels": ids}
+
+
+class PackedBytes:
+    """The byte-encoded corpus as one stream cut into consecutive sequences of `seq_len` (tail dropped)."""
 
     shuffle = True
     vocab_size = BYTE_VOCAB_SIZE
@@ -66,9 +83,9 @@ class PackedTokens:
     def __len__(self) -> int:
         return self.tokens.numel() // self.seq_len
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def __getitem__(self, index: int) -> Sample:
         start = index * self.seq_len
-        return self.tokens[start : start + self.seq_len]
+        return _lm_sample(self.tokens[start : start + self.seq_len])
 
 
 class SyntheticTokens:
@@ -91,60 +108,164 @@ class SyntheticTokens:
     def __len__(self) -> int:
         return _SYNTHETIC_SIZE
 
-    def __getitem__(self, index: int) -> torch.Tensor:
+    def __getitem__(self, index: int) -> Sample:
         gen = torch.Generator().manual_seed((self.seed * 0x9E3779B97F4A7C15 + index) % 2**63)
         n_phrases = -(-self.seq_len // _SYNTHETIC_PHRASE_LEN)
         picks = torch.randint(0, _SYNTHETIC_PHRASES, (n_phrases,), generator=gen)
-        return self.codebook[picks].reshape(-1)[: self.seq_len].clone()
+        return _lm_sample(self.codebook[picks].reshape(-1)[: self.seq_len].clone())
 
 
-def read_documents(uri: str) -> List[str]:
-    """Documents from a .txt (split on blank lines) or .jsonl ({"text": ...}) file or URI."""
-    import fsspec
-
-    try:
-        with fsspec.open(uri, "rt", encoding="utf-8") as handle:
-            raw = handle.read()
-    except FileNotFoundError as err:
-        raise FileNotFoundError(f"TrainSpec.dataset: dataset file not found: {uri!r}") from err
-    if uri.endswith(".jsonl"):
-        docs = []
-        for lineno, line in enumerate(raw.splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"TrainSpec.dataset: {uri}:{lineno} is not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise ValueError(f'TrainSpec.dataset: {uri}:{lineno} needs a string "text" field')
-            docs.append(record["text"])
-    else:
-        docs = [block.strip() for block in raw.split("\n\n")]
-    docs = [d for d in docs if d]
-    if not docs:
-        raise ValueError(f"TrainSpec.dataset: {uri!r} contains no text")
-    return docs
+def bytes_corpus_path() -> str:
+    return str(resources.files("fuseforge_flyte") / "data" / "assets" / BYTES_CORPUS_FILE)
 
 
-def builtin_text_path() -> str:
-    return str(resources.files("fuseforge_flyte") / "data" / "assets" / BUILTIN_TEXT_FILE)
-
-
-def load_dataset(name: str, *, seq_len: int, vocab_size: int, seed: int):
-    """The dataset named by TrainSpec.dataset, checked against the model's vocabulary."""
-    if name == SYNTHETIC:
-        return SyntheticTokens(vocab_size, seq_len, seed)
+def load_byte_corpus(seq_len: int, vocab_size: int) -> PackedBytes:
+    """bench:bytes: blank-line separated documents of the shipped corpus, byte-encoded and packed."""
     if vocab_size < BYTE_VOCAB_SIZE:
         raise ValueError(
-            f"TrainSpec.dataset: {name!r} uses the byte tokenizer (vocabulary {BYTE_VOCAB_SIZE}) "
+            f"TrainSpec.dataset: {BYTES!r} uses the byte tokenizer (vocabulary {BYTE_VOCAB_SIZE}) "
             f"but the model's vocab_size is {vocab_size}"
         )
-    uri = builtin_text_path() if name == BUILTIN_TEXT else name
+    with open(bytes_corpus_path(), encoding="utf-8") as handle:
+        docs = [block.strip() for block in handle.read().split("\n\n") if block.strip()]
     ids: List[int] = []
-    for doc in read_documents(uri):
+    for doc in docs:
         ids.extend(encode(doc))
-    return PackedTokens(torch.tensor(ids, dtype=torch.long), seq_len, name)
+    return PackedBytes(torch.tensor(ids, dtype=torch.long), seq_len, BYTES)
+
+
+# ---------------------------------------------------------------- prepared data
+
+
+@dataclass
+class TrainingData:
+    """The engine's view of a run's data: the train split, an optional eval split, and what the model must fit."""
+
+    train: object
+    eval: Optional[object] = None
+    manifest: Optional[object] = None  # fuseforge_flyte.data.shards.DataManifest (None for benchmark data)
+    directory: Optional[str] = None  # the prepared directory (its tokenizer/ goes with the trained model)
+
+    @property
+    def tokenizer_dir(self) -> Optional[str]:
+        if self.directory is None:
+            return None
+        from fuseforge_flyte.data.shards import tokenizer_dir
+
+        path = tokenizer_dir(self.directory)
+        return path if os.path.isdir(path) else None
+
+    def preset_vocab_size(self, preset_vocab: int) -> int:
+        """A random-init preset's vocabulary: grown to the tokenizer's when the data needs more ids."""
+        if self.manifest is None:
+            return preset_vocab
+        return max(preset_vocab, int(self.manifest.vocab_size))
+
+    def check_fits(self, config) -> None:
+        """Token ids and seq_len within the model's embedding and positions (ValueError naming both)."""
+        if self.manifest is not None:
+            from fuseforge_flyte.data.checks import check_fits_model
+
+            check_fits_model(self.manifest, config)
+
+
+def data_cache_root() -> str:
+    return os.environ.get(DATA_CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "fuseforge", "data")
+
+
+def _cache_dir_for(data_spec) -> str:
+    """One directory per DataSpec and source contents: a rerun with the same inputs reuses it."""
+    from fuseforge_flyte.data.fingerprint import fingerprint
+
+    contents = fingerprint(data_spec.dataset, data_spec.eval_dataset, data_spec.tokenizer, data_spec.model)
+    key = json.dumps([data_spec.__dict__, contents], sort_keys=True, default=str)
+    return os.path.join(data_cache_root(), hashlib.sha256(key.encode()).hexdigest()[:20])
+
+
+def write_benchmark_marker(directory: str, name: str) -> None:
+    with open(os.path.join(directory, BENCH_MARKER), "w", encoding="utf-8") as handle:
+        json.dump({"dataset": name}, handle)
+
+
+def resolve_benchmark(dataset: str) -> Optional[str]:
+    """The benchmark dataset `dataset` names (directly or through a marker directory), else None."""
+    if dataset in BENCHMARK_DATASETS:
+        return dataset
+    marker = os.path.join(dataset, BENCH_MARKER)
+    if os.path.isfile(marker):
+        with open(marker, encoding="utf-8") as handle:
+            return json.load(handle)["dataset"]
+    return None
+
+
+def check_prepared_fits(spec) -> None:
+    """Before any worker starts: the prepared data's seq_len, token ids and positions fit spec.model.
+
+    Resolving the model's config here also makes an unknown model id fail once, in the launching process.
+    """
+    if resolve_benchmark(spec.dataset) is not None:
+        return
+    from fuseforge_flyte.data.checks import check_fits_model
+    from fuseforge_flyte.data.shards import read_manifest
+    from fuseforge_flyte.training.models import PRESETS, load_config
+
+    manifest = read_manifest(spec.dataset)
+    _check_seq_len(spec, manifest, spec.dataset)
+    if spec.model not in PRESETS:
+        check_fits_model(manifest, load_config(spec.model))
+
+
+def _check_seq_len(spec, manifest, directory: str) -> None:
+    if manifest.seq_len != spec.seq_len:
+        raise ValueError(
+            f"TrainSpec.seq_len is {spec.seq_len} but the prepared data in {directory} was packed to "
+            f"seq_len {manifest.seq_len}: prepare it again with seq_len={spec.seq_len}, or train with {manifest.seq_len}"
+        )
+
+
+def open_training_data(spec, ctx) -> Optional[TrainingData]:
+    """The run's prepared data (preparing it first if needed); None for the benchmark datasets.
+
+    Raw sources are prepared by local rank 0 of each node into the cache (deterministic, so every node
+    writes the same shards) while the other ranks wait at a barrier.
+    """
+    from fuseforge_flyte.data.shards import is_prepared_dir, open_split, read_manifest
+
+    if resolve_benchmark(spec.dataset) is not None:
+        return None
+    directory = spec.dataset
+    if not is_prepared_dir(directory):
+        data_spec = spec.data_spec()
+        directory = _cache_dir_for(data_spec)
+        if ctx.local_rank == 0 and not is_prepared_dir(directory):
+            from fuseforge_flyte.data.prepare import prepare
+
+            log.info("preparing %s into %s", spec.dataset, directory)
+            prepare(data_spec, directory)
+        ctx.barrier()
+    manifest = read_manifest(directory)
+    _check_seq_len(spec, manifest, directory)
+    return TrainingData(open_split(directory, "train"), open_split(directory, "eval"), manifest, directory)
+
+
+def benchmark_dataset(name: str, *, seq_len: int, vocab_size: int, seed: int):
+    """bench:synthetic over the model's vocabulary, or bench:bytes."""
+    if name == SYNTHETIC:
+        return SyntheticTokens(vocab_size, seq_len, seed)
+    if name == BYTES:
+        return load_byte_corpus(seq_len, vocab_size)
+    raise ValueError(f"TrainSpec.dataset: unknown benchmark dataset {name!r}; use one of {list(BENCHMARK_DATASETS)}")
+
+
+# ---------------------------------------------------------------- batches
+
+
+def collate(dataset, indices: Sequence[int]) -> Sample:
+    """Samples `indices` stacked per field ([len(indices), seq_len] each), in one read where the dataset can."""
+    if hasattr(dataset, "batch"):
+        return dataset.batch(list(indices))
+    samples = [dataset[i] for i in indices]
+    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
 
 
 @dataclass
@@ -192,8 +313,8 @@ class ShardedBatches:
             self._order_epoch = epoch
         return self._order
 
-    def next_step(self) -> List[torch.Tensor]:
-        """This rank's `grad_accum` micro-batches ([batch_size, seq_len] each) for the next step."""
+    def next_step(self) -> List[Sample]:
+        """This rank's `grad_accum` micro-batches (dicts of [batch_size, seq_len] tensors) for the next step."""
         pos = self.position
         if pos.index + self.samples_per_step > len(self.dataset):
             pos = DataPosition(pos.epoch + 1, 0)
@@ -202,7 +323,19 @@ class ShardedBatches:
         for micro in range(self.grad_accum):
             slot = pos.index + (micro * self.world_size + self.rank) * self.batch_size
             idx = range(slot, slot + self.batch_size)
-            samples = [self.dataset[int(order[i]) if order is not None else i] for i in idx]
-            micro_batches.append(torch.stack(samples))
+            micro_batches.append(collate(self.dataset, [int(order[i]) if order is not None else i for i in idx]))
         self.position = DataPosition(pos.epoch, pos.index + self.samples_per_step)
         return micro_batches
+
+
+def eval_batches(dataset, *, rank: int, world_size: int, batch_size: int) -> List[Optional[Sample]]:
+    """This rank's share of the whole eval split (sample i goes to rank i % world_size), in micro-batches.
+
+    Every rank gets the same number of entries (sharded models run collectives in each forward);
+    an entry is None where this rank has run out of samples.
+    """
+    total = len(dataset)
+    mine = list(range(rank, total, world_size))
+    rounds = -(-(-(-total // world_size)) // batch_size)
+    return [collate(dataset, mine[i * batch_size : (i + 1) * batch_size]) if i * batch_size < len(mine) else None
+            for i in range(rounds)]

@@ -1,9 +1,15 @@
 """The training loop run by every worker process of an elastic job (or a single process).
 
-`train(spec)` joins the process group from torch elastic's environment, builds the
-model, applies the fuseforge kernels, wraps it per strategy, resumes from the
-newest good checkpoint, trains, and returns the metrics on every rank (Flyte keeps
-rank 0's). Plain PyTorch + transformers: nothing here imports Flyte.
+`train(spec)` joins the process group from torch elastic's environment, opens the prepared data
+(preparing it if given a raw source), builds the model, applies the fuseforge kernels, wraps it per
+strategy, resumes from the newest good checkpoint, trains with periodic eval, writes the trained model
+as a Hugging Face directory, and returns the metrics on every rank (Flyte keeps rank 0's).
+Plain PyTorch + transformers: nothing here imports Flyte.
+
+The loss of a step is the mean over every token that carries a loss in the whole global batch (all
+micro-batches of all ranks), as if the batch had run at once: with masked or packed data the
+micro-batches hold different numbers of loss tokens, and a mean of per-micro-batch means would weight
+them wrongly. The model gets that global count as `num_items_in_batch`.
 """
 
 from __future__ import annotations
@@ -12,17 +18,20 @@ import gc
 import logging
 import math
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from fuseforge_flyte.console import ensure_console_logging
 from fuseforge_flyte.training import faults
 from fuseforge_flyte.training.checkpoint import CheckpointManager
-from fuseforge_flyte.training.data import DataPosition, ShardedBatches, load_dataset
+from fuseforge_flyte.training.data import (IGNORE_INDEX, DataPosition, Sample, ShardedBatches, TrainingData,
+                                           benchmark_dataset, collate, eval_batches, open_training_data,
+                                           resolve_benchmark)
 from fuseforge_flyte.training.distributed import DistContext
 from fuseforge_flyte.training.metrics import (History, final_loss, peak_memory_gib, reset_peak_memory,
                                               summarize)
-from fuseforge_flyte.training.models import build_model, model_flops, peak_flops
+from fuseforge_flyte.training.models import PRESETS, build_model, load_config, model_flops, peak_flops
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 from fuseforge_flyte.training.strategies import Strategy, make_strategy, strategy_class
 
@@ -59,16 +68,40 @@ def _fingerprint(model: torch.nn.Module) -> Dict[str, list]:
     return {name: list(p.shape) for name, p in model.named_parameters()}
 
 
+def loss_token_count(batch: Sample) -> torch.Tensor:
+    """Tokens of a micro-batch that carry a loss after the model's one-token label shift."""
+    return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
+
+def _build_model_for(spec: TrainSpec, data: Optional[TrainingData], device: torch.device) -> torch.nn.Module:
+    """A preset's vocabulary grows to the data's tokenizer; real models must already fit (checked)."""
+    vocab_size = None
+    if data is not None and spec.model in PRESETS:
+        vocab_size = data.preset_vocab_size(load_config(spec.model).vocab_size)
+    model = build_model(spec.model, seed=spec.seed, device=device, vocab_size=vocab_size)
+    if data is not None:
+        data.check_fits(model.config)
+    return model
+
+
 class _Run:
     """State of one training session on one rank."""
 
     def __init__(self, spec: TrainSpec, ctx: DistContext):
         self.spec = spec
         self.ctx = ctx
-        model = build_model(spec.model, seed=spec.seed, device=ctx.device)
-        # the data next, so that a bad dataset fails before the model is wrapped and sharded
-        self.dataset = load_dataset(spec.dataset, seq_len=spec.seq_len, vocab_size=model.config.vocab_size,
-                                    seed=spec.seed)
+        # the data first: a bad dataset fails before any model is built, wrapped or sharded
+        self.data = open_training_data(spec, ctx)
+        model = _build_model_for(spec, self.data, ctx.device)
+        if self.data is not None:
+            self.dataset, self.eval_dataset = self.data.train, self.data.eval
+        else:
+            self.dataset = benchmark_dataset(resolve_benchmark(spec.dataset), seq_len=spec.seq_len,
+                                             vocab_size=model.config.vocab_size, seed=spec.seed)
+            self.eval_dataset = None
+        if spec.eval_every and self.eval_dataset is None:
+            raise ValueError(f"TrainSpec.eval_every={spec.eval_every} but the prepared data {spec.dataset!r} "
+                             "has no eval split: prepare it with eval_fraction or eval_dataset")
         self.samples_per_step = ctx.world_size * spec.batch_size * spec.grad_accum
         self.tokens_per_step = self.samples_per_step * spec.seq_len
         self._batches(DataPosition())  # raises if one global step needs more sequences than there are
@@ -82,6 +115,8 @@ class _Run:
         self.position = DataPosition()
         self.step = 0
         self.resumed_from = 0
+        self.session_start = time.perf_counter()
+        self.session_first_step = 0
         self.ckpt = None
         if spec.checkpoint_dir:
             self.ckpt = CheckpointManager(spec.checkpoint_dir, ctx, self.strategy, keep_last=spec.keep_last,
@@ -123,33 +158,47 @@ class _Run:
         self.strategy.model.train()
         if self.step < spec.steps:
             self.history.warmup.append(self.step)
+        self.session_start, self.session_first_step = time.perf_counter(), self.step
         while self.step < spec.steps:
             ctx.synchronize()
             reset_peak_memory(ctx.device)
             start = time.perf_counter()
-            loss = self._one_step(batches.next_step(), self.step + 1)
+            micro_batches = [{k: v.to(ctx.device, non_blocking=True) for k, v in b.items()}
+                             for b in batches.next_step()]
+            data_wait = time.perf_counter() - start
+            loss, loss_tokens = self._one_step(micro_batches, self.step + 1)
             ctx.synchronize()
             elapsed = time.perf_counter() - start
             self.step += 1
             self.history.loss.append(loss)
             self.history.step_time.append(elapsed)
+            self.history.data_wait.append(data_wait)
+            self.history.loss_tokens.append(loss_tokens)
             self.history.memory_gib.append(peak_memory_gib(ctx.device))
             self._log(loss, elapsed)
             if self.ckpt is not None:
                 self.ckpt.record_progress(self.step)
             faults.maybe_fail(ctx.rank, self.step, ctx.restart_count)
+            if self.eval_dataset is not None and (self.step == spec.steps or
+                                                  (spec.eval_every and self.step % spec.eval_every == 0)):
+                self._evaluate()
             if self.ckpt is not None and (self.step == spec.steps or
                                           (spec.checkpoint_every and self.step % spec.checkpoint_every == 0)):
                 self.ckpt.save(self.step, self._trainer_state(batches))
 
-    def _one_step(self, micro_batches: List[torch.Tensor], step: int) -> float:
-        """Forward/backward every micro-batch and apply the update; the step's loss averaged over ranks."""
+    def _one_step(self, micro_batches: List[Sample], step: int) -> Tuple[float, int]:
+        """Forward/backward every micro-batch and apply the update; the step's global mean loss and loss tokens."""
         spec, ctx, strategy = self.spec, self.ctx, self.strategy
+        loss_tokens = torch.stack([loss_token_count(b) for b in micro_batches]).sum().to(torch.float32)
+        num_items = ctx.all_reduce(loss_tokens.reshape(1)).reshape(())
+        if num_items.item() == 0:
+            raise ValueError(f"step {step}: no token of the global batch carries a loss (all labels are "
+                             f"{IGNORE_INDEX}); the prepared data holds rows without loss tokens")
         check_each = spec.nonfinite_policy == "skip"  # decide before backward, so nothing bad is accumulated
-        stats = torch.zeros(2, device=ctx.device)  # [sum of finite losses, count of non-finite ones]
+        stats = torch.zeros(2, device=ctx.device)  # [sum of finite loss shares, count of non-finite ones]
         skipped = False
-        for index, ids in enumerate(micro_batches):
-            loss = strategy.forward(ids.to(ctx.device, non_blocking=True), index == len(micro_batches) - 1)
+        for index, batch in enumerate(micro_batches):
+            loss = strategy.forward(dict(batch, num_items_in_batch=num_items), index == len(micro_batches) - 1)
             loss = faults.maybe_poison(loss, ctx.rank, step)
             value = loss.detach().float()
             finite = torch.isfinite(value)
@@ -174,14 +223,58 @@ class _Run:
             self.history.skipped_steps += 1
             if ctx.is_main:
                 log.warning("step %d: non-finite loss, optimizer step skipped (nonfinite_policy='skip')", step)
-            return float("nan")
+            return float("nan"), int(num_items.item())
         strategy.optimizer_step()
-        return stats[0].item() / (ctx.world_size * len(micro_batches))
+        # each share is (its tokens' loss sum) / (the global count): their sum over micro-batches and ranks
+        # is the global mean (under "skip" the shares were already summed over ranks one by one)
+        return stats[0].item(), int(num_items.item())
+
+    @torch.no_grad()
+    def _evaluate(self) -> None:
+        """Mean loss per loss token over the whole eval split, every rank taking a share."""
+        ctx, model = self.ctx, self.strategy.model
+        model.eval()
+        totals = torch.zeros(2, device=ctx.device, dtype=torch.float64)  # [loss sum, loss tokens]
+        for batch in eval_batches(self.eval_dataset, rank=ctx.rank, world_size=ctx.world_size,
+                                  batch_size=self.spec.batch_size):
+            empty = batch is None
+            if empty:  # this rank is out of samples but sharded models need it in every forward
+                batch = collate(self.eval_dataset, [0])
+            batch = {k: v.to(ctx.device) for k, v in batch.items()}
+            count = loss_token_count(batch)
+            loss = self.strategy.forward(dict(batch, num_items_in_batch=count.clamp(min=1)), True).double()
+            if not empty:
+                totals += torch.stack([loss * count, count.double()])
+        ctx.all_reduce(totals)
+        model.train()
+        loss_sum, tokens = totals.tolist()
+        eval_loss = loss_sum / tokens if tokens else float("nan")
+        self.history.eval_loss.append(eval_loss)
+        self.history.eval_steps.append(self.step)
+        if ctx.is_main:
+            log.info("eval after step %d: loss %.4f perplexity %.3f (%d tokens)", self.step, eval_loss,
+                     _perplexity(eval_loss), int(tokens))
 
     def _log(self, loss: float, elapsed: float) -> None:
-        if self.ctx.is_main and (self.step % self.spec.log_every == 0 or self.step == self.spec.steps):
-            log.info("step %d/%d loss %.4f lr %.3g step %.3fs %.0f tok/s", self.step, self.spec.steps, loss,
-                     self.strategy.lr(), elapsed, self.tokens_per_step / elapsed if elapsed > 0 else 0.0)
+        spec = self.spec
+        if not self.ctx.is_main or not (self.step % spec.log_every == 0 or self.step == spec.steps):
+            return
+        done = self.step - self.session_first_step
+        per_step = (time.perf_counter() - self.session_start) / max(done, 1)
+        log.info("step %d/%d loss %.4f lr %.3g | %.0f tok/s step %.3fs data %.1f%% | mem %.2f GiB | ETA %s",
+                 self.step, spec.steps, loss, self.strategy.lr(), self.tokens_per_step / elapsed if elapsed else 0.0,
+                 elapsed, 100 * self.history.data_wait[-1] / elapsed if elapsed else 0.0,
+                 self.history.memory_gib[-1], _duration(per_step * (spec.steps - self.step)))
+
+    def save_model(self) -> str:
+        """Write the trained model (and the data's tokenizer) as a Hugging Face directory; its path on rank 0."""
+        from fuseforge_flyte.training.export import save_pretrained_model
+
+        out = save_pretrained_model(self.strategy, self.ctx, self.spec.output_dir,
+                                    tokenizer_dir=self.data.tokenizer_dir if self.data is not None else None)
+        if self.ctx.is_main:
+            log.info("saved the trained model to %s", out)
+        return out or ""
 
     # ------------------------------------------------------------ result
 
@@ -204,7 +297,21 @@ class _Run:
             resumed_from_step=self.resumed_from, dtype=dtype, num_params=self.flops.num_params,
             flops_per_token=self.flops.flops_per_token, tokens_per_step=self.tokens_per_step,
             step_time_curve=list(h.step_time), kernels_patched=list(self.kernels_patched),
+            eval_loss=h.eval_loss[-1] if h.eval_loss else float("nan"),
+            eval_perplexity=_perplexity(h.eval_loss[-1]) if h.eval_loss else float("nan"),
+            eval_loss_curve=list(h.eval_loss), eval_steps=list(h.eval_steps),
+            data_wait_fraction=summary.data_wait_fraction, loss_tokens_per_step=summary.loss_tokens_per_step,
+            dataset=self.data.manifest.source if self.data is not None else spec.dataset,
         )
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(loss) if math.isfinite(loss) and loss < 700 else float("nan" if not math.isfinite(loss) else "inf")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 def _device_name(device: torch.device) -> str:
@@ -216,6 +323,7 @@ def _device_name(device: torch.device) -> str:
 def train(spec: TrainSpec) -> TrainMetrics:
     """Run `spec` in this worker process and return the metrics (identical on every rank)."""
     spec.validate()
+    ensure_console_logging()
     ctx = DistContext.from_env(need_group=strategy_class(spec.strategy).needs_process_group)
     run = None
     try:
@@ -225,6 +333,8 @@ def train(spec: TrainSpec) -> TrainMetrics:
         steps_redone = run.resume()
         run.train()
         metrics = run.metrics(steps_redone)
+        if spec.output_dir:
+            metrics.model_dir = run.save_model()
         if ctx.is_main:
             log.info("done: %d steps, final loss %.4f, %.0f tok/s, MFU %.1f%%, peak %.2f GiB", metrics.steps,
                      metrics.final_loss if math.isfinite(metrics.final_loss) else float("nan"),

@@ -23,6 +23,10 @@ class History:
     memory_gib: List[float] = field(default_factory=list)  # rank 0's peak during the step
     warmup: List[int] = field(default_factory=list)  # 0-based indices of steps that began a session
     skipped_steps: int = 0
+    data_wait: List[float] = field(default_factory=list)  # seconds of each step spent getting its batches
+    loss_tokens: List[int] = field(default_factory=list)  # global tokens carrying a loss, per step
+    eval_loss: List[float] = field(default_factory=list)  # per eval, mean loss per token
+    eval_steps: List[int] = field(default_factory=list)  # the step each eval followed
 
     def to_dict(self) -> Dict:
         return asdict(self)
@@ -34,7 +38,11 @@ class History:
     def truncate(self, steps: int) -> None:
         """Forget steps after `steps` (they are redone after a resume)."""
         del self.loss[steps:], self.step_time[steps:], self.memory_gib[steps:]
+        del self.data_wait[steps:], self.loss_tokens[steps:]
         self.warmup = [i for i in self.warmup if i < steps]
+        kept = [i for i, step in enumerate(self.eval_steps) if step <= steps]
+        self.eval_loss = [self.eval_loss[i] for i in kept]
+        self.eval_steps = [self.eval_steps[i] for i in kept]
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -62,6 +70,8 @@ class Summary:
     step_time_p90_s: float
     step_time_p99_s: float
     tokens_per_s_curve: List[float]
+    data_wait_fraction: float  # share of the steady steps' time spent waiting for data
+    loss_tokens_per_step: float
 
 
 def summarize(history: History, *, tokens_per_step: int, samples_per_step: int,
@@ -75,8 +85,11 @@ def summarize(history: History, *, tokens_per_step: int, samples_per_step: int,
     samples_per_s = samples_per_step / mean if mean > 0 else 0.0
     mfu = flops_per_token * tokens_per_s / peak_flops_total if peak_flops_total > 0 else 0.0
     curve = [tokens_per_step / t if t > 0 else 0.0 for t in times]
+    waits = [w for i, w in enumerate(history.data_wait) if i not in warm] or list(history.data_wait)
+    wait_fraction = sum(waits) / sum(steady) if waits and sum(steady) > 0 else 0.0
+    loss_tokens = sum(history.loss_tokens) / len(history.loss_tokens) if history.loss_tokens else 0.0
     return Summary(tokens_per_s, samples_per_s, mfu, percentile(steady, 50), percentile(steady, 90),
-                   percentile(steady, 99), curve)
+                   percentile(steady, 99), curve, wait_fraction, loss_tokens)
 
 
 def final_loss(history: History) -> float:

@@ -14,8 +14,22 @@ from typing import List, Optional
 class TrainSpec:
     """One training run. Defaults come from platform.toml's [training] table (see fuseforge_flyte.config)."""
 
-    model: str = "tiny-llama"  # a built-in preset name, a path to an HF config.json, or an HF model id
-    dataset: str = "builtin:synthetic"  # "builtin:synthetic", "builtin:text", or a path/URI to a text or jsonl file
+    # a built-in preset (random init), an HF model directory or fsspec URI of one (e.g. a previous run's
+    # output, to continue training), a path to a config.json (random init), or an HF model id
+    model: str = "tiny-llama"
+    # A directory prepared by fuseforge_flyte.data (the Flyte workflows pass the preparation task's output);
+    # or what fuseforge_flyte.data reads (an HF hub id, a local/fsspec .json/.jsonl/.parquet/.csv/.txt
+    # file or folder, "builtin:chat", "builtin:text"), then prepared by the engine itself; or one of the
+    # benchmark-only "bench:synthetic" / "bench:bytes" (no tokenizer, never for fine-tuning).
+    dataset: str = "builtin:chat"
+    dataset_config: str = ""  # HF hub dataset config name
+    dataset_split: str = "train"
+    data_format: str = "auto"  # "auto" | "text" | "messages" | "prompt_completion"
+    tokenizer: str = ""  # "" = the model's own; or an HF id, a directory, an fsspec URI, "builtin:tiny-bpe"
+    packing: bool = True  # pack examples into seq_len rows (no attention across them)
+    eval_fraction: float = 0.0  # share of the examples held out for eval
+    eval_dataset: str = ""  # a separate eval dataset (exclusive with eval_fraction)
+    eval_every: int = 0  # steps between evals (0: only at the end); needs eval data
     steps: int = 20
     batch_size: int = 4  # sequences per device per micro-batch
     seq_len: int = 128
@@ -39,6 +53,17 @@ class TrainSpec:
     keep_last: int = 2
     nonfinite_policy: str = "raise"  # "raise" | "skip" on a non-finite loss
     log_every: int = 1
+    # where rank 0 writes the trained model as a Hugging Face directory at the end; None = not saved
+    output_dir: Optional[str] = None
+
+    def data_spec(self):
+        """The fuseforge_flyte.data.DataSpec this run's dataset is prepared with."""
+        from fuseforge_flyte.data.spec import DataSpec
+
+        return DataSpec(dataset=self.dataset, model=self.model, seq_len=self.seq_len, tokenizer=self.tokenizer,
+                        data_format=self.data_format, dataset_config=self.dataset_config,
+                        dataset_split=self.dataset_split, eval_fraction=self.eval_fraction,
+                        eval_dataset=self.eval_dataset, packing=self.packing, seed=self.seed)
 
     def validate(self) -> "TrainSpec":
         """Raise ValueError/TypeError naming the first bad field; returns self (see training/validation.py)."""
@@ -79,3 +104,13 @@ class TrainMetrics:
     tokens_per_step: int = 0  # global: world_size * grad_accum * batch_size * seq_len
     step_time_curve: List[float] = field(default_factory=list)
     kernels_patched: List[str] = field(default_factory=list)  # fuseforge kernels apply_kernels swapped in
+    # held-out loss per token and its exp; NaN when the run had no eval data
+    eval_loss: float = float("nan")
+    eval_perplexity: float = float("nan")
+    eval_loss_curve: List[float] = field(default_factory=list)
+    eval_steps: List[int] = field(default_factory=list)  # the step after which each eval_loss_curve entry was taken
+    # time the steps spent getting their batches onto the device, as a share of step time (the GPU must not starve)
+    data_wait_fraction: float = 0.0
+    loss_tokens_per_step: float = 0.0  # tokens that carry a loss, per step on average (packing and masking)
+    dataset: str = ""  # what the run trained on (the prepared data's source)
+    model_dir: str = ""  # where the trained model was written ("" when not saved)

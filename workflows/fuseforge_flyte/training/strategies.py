@@ -53,10 +53,13 @@ class Strategy:
     def setup(self, model: torch.nn.Module) -> None:
         raise NotImplementedError
 
-    def forward(self, input_ids: torch.Tensor, last_micro: bool) -> torch.Tensor:
+    def forward(self, batch: Dict[str, torch.Tensor], last_micro: bool) -> torch.Tensor:
+        """The loss of one micro-batch: the model called on `batch` (input_ids, labels, position_ids, ...)."""
         raise NotImplementedError
 
     def backward(self, loss: torch.Tensor) -> None:
+        """Backward of this rank's share of the step's global mean loss (the engine divided by the global
+        loss-token count); each strategy undoes its wrapper's own averaging over ranks/micro-batches."""
         raise NotImplementedError
 
     def optimizer_step(self) -> None:
@@ -88,7 +91,7 @@ class _TorchOptimized(Strategy):
         self.scheduler = optim.scheduler(self.optimizer, self.spec.warmup_steps, self.spec.steps)
 
     def backward(self, loss: torch.Tensor) -> None:
-        (loss / self.spec.grad_accum).backward()
+        (loss * self.ctx.world_size).backward()  # DDP and FSDP average gradients over ranks
 
     def _clip(self) -> None:
         if self.spec.grad_clip > 0:
@@ -129,14 +132,14 @@ class DDPStrategy(_TorchOptimized):
             return contextlib.nullcontext()
         return torch.autocast(self.ctx.device.type, dtype=_DTYPES[self.dtype])
 
-    def forward(self, input_ids: torch.Tensor, last_micro: bool) -> torch.Tensor:
+    def forward(self, batch: Dict[str, torch.Tensor], last_micro: bool) -> torch.Tensor:
         if self.model is not self.inner:  # DDP: all-reduce gradients only on the last micro-batch
             self.model.require_backward_grad_sync = last_micro
         with self._autocast():
-            return self.model(input_ids=input_ids, labels=input_ids).loss
+            return self.model(**batch).loss
 
     def backward(self, loss: torch.Tensor) -> None:
-        loss = loss / self.spec.grad_accum
+        loss = loss * self.ctx.world_size  # DDP averages gradients over ranks
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def optimizer_step(self) -> None:
@@ -205,9 +208,9 @@ class FSDPStrategy(_TorchOptimized):
         self.model = self.inner = model
         self._build_optimizer()
 
-    def forward(self, input_ids: torch.Tensor, last_micro: bool) -> torch.Tensor:
+    def forward(self, batch: Dict[str, torch.Tensor], last_micro: bool) -> torch.Tensor:
         self.model.set_requires_gradient_sync(last_micro)
-        return self.model(input_ids=input_ids, labels=input_ids).loss
+        return self.model(**batch).loss
 
     def save(self, directory: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -312,12 +315,13 @@ class DeepSpeedStrategy(Strategy):
         self.model = self.engine
         self.inner = self.engine.module
 
-    def forward(self, input_ids: torch.Tensor, last_micro: bool) -> torch.Tensor:
-        return self.engine(input_ids=input_ids, labels=input_ids).loss
+    def forward(self, batch: Dict[str, torch.Tensor], last_micro: bool) -> torch.Tensor:
+        return self.engine(**batch).loss
 
     def backward(self, loss: torch.Tensor) -> None:
-        # DeepSpeed scales by 1/gradient_accumulation_steps and steps only at the boundary
-        self.engine.backward(loss)
+        # DeepSpeed divides by gradient_accumulation_steps and averages over ranks, then steps only at
+        # the boundary: undo both, the loss share is already normalised by the global token count
+        self.engine.backward(loss * (self.ctx.world_size * self.spec.grad_accum))
         self.engine.step()
 
     def optimizer_step(self) -> None:

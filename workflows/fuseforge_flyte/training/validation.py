@@ -11,7 +11,7 @@ import math
 import os
 import typing
 
-from fuseforge_flyte.training.data import BUILTIN_TEXT, SYNTHETIC
+from fuseforge_flyte.training.data import BENCHMARK_DATASETS, resolve_benchmark
 from fuseforge_flyte.training.models import is_known_model, unknown_model_message
 
 CHOICES = {
@@ -21,7 +21,8 @@ CHOICES = {
     "zero_stage": (1, 2, 3),
 }
 POSITIVE = ("steps", "batch_size", "grad_accum", "keep_last", "log_every")
-NON_NEGATIVE = ("warmup_steps", "checkpoint_every", "weight_decay", "grad_clip", "seed", "loss_chunk_size")
+NON_NEGATIVE = ("warmup_steps", "checkpoint_every", "weight_decay", "grad_clip", "seed", "loss_chunk_size",
+                "eval_every")
 
 
 def _check_types(spec) -> None:
@@ -59,7 +60,7 @@ def validate_spec(spec) -> None:
             raise ValueError(f"TrainSpec.{name}: {getattr(spec, name)!r} is not one of {list(allowed)}")
     if not spec.model or not is_known_model(spec.model):
         raise ValueError(unknown_model_message(spec.model))
-    _check_dataset(spec.dataset)
+    _check_data(spec)
     if spec.checkpoint_every > 0 and not spec.checkpoint_dir:
         raise ValueError("TrainSpec.checkpoint_every > 0 needs TrainSpec.checkpoint_dir")
     if spec.offload and spec.strategy != "deepspeed":
@@ -73,12 +74,23 @@ def validate_spec(spec) -> None:
         )
 
 
-def _check_dataset(dataset: str) -> None:
-    if dataset in (SYNTHETIC, BUILTIN_TEXT):
+def _check_data(spec) -> None:
+    """Benchmark data takes no data options; anything else is checked by the data layer's own rules."""
+    if resolve_benchmark(spec.dataset) is not None:
+        if spec.eval_fraction or spec.eval_dataset or spec.eval_every:
+            raise ValueError(f"TrainSpec.dataset: the benchmark dataset {spec.dataset!r} has no eval split: "
+                             "drop eval_fraction/eval_dataset/eval_every, or train on real data")
         return
-    if dataset.startswith("builtin:"):
-        raise ValueError(f"TrainSpec.dataset: unknown built-in dataset {dataset!r}; use {SYNTHETIC!r} or {BUILTIN_TEXT!r}")
-    if not dataset.endswith((".txt", ".jsonl")):
-        raise ValueError(f"TrainSpec.dataset: {dataset!r} must be a .txt or .jsonl file (or a builtin: dataset)")
-    if "://" not in dataset and not os.path.isfile(dataset):
-        raise ValueError(f"TrainSpec.dataset: dataset file not found: {dataset!r}")
+    if spec.dataset.startswith("bench:"):
+        raise ValueError(f"TrainSpec.dataset: unknown benchmark dataset {spec.dataset!r}; "
+                         f"use one of {list(BENCHMARK_DATASETS)}")
+    from fuseforge_flyte.data.shards import is_prepared_dir
+
+    if is_prepared_dir(spec.dataset):
+        return  # prepared with its own options, checked then
+    try:
+        spec.data_spec().validate()
+    except ValueError as err:
+        raise ValueError(str(err).replace("DataSpec.", "TrainSpec.")) from None
+    if spec.eval_every and not (spec.eval_fraction or spec.eval_dataset):
+        raise ValueError("TrainSpec.eval_every > 0 needs eval data: set eval_fraction or eval_dataset")

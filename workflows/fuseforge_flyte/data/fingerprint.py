@@ -1,0 +1,90 @@
+"""Content fingerprints of a data source: the key under which prepared data is cached.
+
+The Flyte data-preparation task is cached on its inputs; a file path or a bucket URI says nothing about
+what the file holds, so a cheap task hashes the contents first and the cached task is keyed on that.
+Local files and folders are hashed byte for byte; object-store objects by their store's own identity
+(ETag/version, size, modification time) without downloading them; hub ids and preset names by name.
+Model weight files are left out: only a model's tokenizer and config shape prepared data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from importlib import resources
+from typing import Iterable
+
+_CHUNK = 1 << 20
+# Model weights decide nothing about prepared data (only the tokenizer and the config do), and hashing a
+# model directory's gigabytes would cost more than the preparation itself.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
+
+
+def _hash_file(path: str, digest) -> None:
+    with open(path, "rb") as handle:
+        while True:
+            block = handle.read(_CHUNK)
+            if not block:
+                break
+            digest.update(block)
+
+
+def _local_files(path: str) -> Iterable[str]:
+    if os.path.isfile(path):
+        yield path
+        return
+    for base, dirs, names in os.walk(path):
+        dirs.sort()
+        for name in sorted(names):
+            if not name.endswith(_WEIGHT_SUFFIXES):
+                yield os.path.join(base, name)
+
+
+def _hash_local(path: str, digest) -> None:
+    root = path if os.path.isdir(path) else os.path.dirname(path)
+    for file in _local_files(path):
+        digest.update(os.path.relpath(file, root).encode())
+        _hash_file(file, digest)
+
+
+def _hash_remote(uri: str, digest) -> None:
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri)
+    found = fs.find(path, detail=True) if fs.isdir(path) else {path: fs.info(path)}
+    for name in sorted(found):
+        if name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        info = found[name]
+        identity = {key: str(info[key]) for key in sorted(info) if key.lower() in
+                    ("etag", "version_id", "generation", "md5hash", "crc32c", "size", "mtime", "last_modified",
+                     "updated", "lastmodified")}
+        digest.update(json.dumps([name, identity], sort_keys=True).encode())
+
+
+def _assets_root() -> str:
+    return str(resources.files("fuseforge_flyte") / "data" / "assets")
+
+
+def fingerprint_source(source: str, digest) -> None:
+    """Feed what identifies `source`'s contents into `digest`."""
+    digest.update(b"\0" + source.encode())
+    if not source:
+        return
+    if source.startswith("builtin:"):
+        _hash_local(_assets_root(), digest)  # any change to the shipped data or tokenizer
+    elif "://" in source and not source.startswith("file://"):
+        _hash_remote(source, digest)
+    else:
+        path = source[len("file://"):] if source.startswith("file://") else source
+        if os.path.exists(path):
+            _hash_local(path, digest)
+
+
+def fingerprint(*sources: str) -> str:
+    """One hex digest over the contents of every source (datasets, tokenizer, model directory)."""
+    digest = hashlib.sha256()
+    for source in sources:
+        fingerprint_source(source, digest)
+    return digest.hexdigest()
