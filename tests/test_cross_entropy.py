@@ -277,6 +277,21 @@ def test_inplace_grad_on_leaf_falls_back_to_fresh_buffer():
     assert_close(logits.grad, ref_x.grad, torch.float32)
 
 
+@pytest.mark.parametrize("layout", ["expanded_rows", "expanded_vocab"])
+def test_inplace_grad_on_overlapping_logits_falls_back_to_fresh_buffer(layout):
+    """Expanded logits hold one cell for many elements: the gradient cannot live in them (issue 16)."""
+    base = torch.randn(1, 33, requires_grad=True) if layout == "expanded_rows" else torch.randn(7, 1, requires_grad=True)
+    shared = base * 2.0  # a non-leaf, so inplace_grad is not refused for being a leaf
+    logits = shared.expand(7, 33)
+    target = random_targets(7, 33)
+    before = shared.detach().clone()
+    (cross_entropy(logits, target, inplace_grad=True) * 2.5).backward()
+    ref_base = base.detach().double().requires_grad_()
+    (reference_cross_entropy((ref_base * 2.0).expand(7, 33), target) * 2.5).backward()
+    assert torch.equal(shared.detach(), before)
+    assert_close(base.grad, ref_base.grad, torch.float32)
+
+
 @pytest.mark.parametrize("inplace_grad", [False, True])
 def test_strided_token_major_logits(inplace_grad):
     """Rows padded in memory (a slice of a wider buffer), of a leaf or of a non-leaf written in place."""
@@ -347,6 +362,7 @@ def test_module_matches_functional():
         (dict(z_loss_scale=-1.0), ValueError, "z_loss_scale"),
         (dict(softcap=0.0), ValueError, "softcap"),
         (dict(ignore_index=1.5), TypeError, "ignore_index"),
+        (dict(ignore_index=2**70), ValueError, r"ignore_index must be an int in the int64 range .*got 1180591620717411303424"),
     ],
 )
 def test_bad_options(kwargs, error, match):
@@ -382,6 +398,15 @@ def test_ignore_index_inside_vocab_is_not_an_error():
     loss, grad, ref, ref_grad = _run(torch.randn(4, 5), target, "mean", ignore_index=2)
     assert_close(loss, ref, torch.float32)
     assert torch.count_nonzero(grad[1:3]) == 0
+
+
+@pytest.mark.parametrize("ignore_index", [2**63 - 1, -(2**63)])
+def test_ignore_index_at_the_int64_limits(ignore_index):
+    """Every int64 is a valid ignore_index (one step further is a ValueError, tests/test_bad_inputs.py)."""
+    target = torch.tensor([0, ignore_index, 3, ignore_index])
+    loss, grad, ref, _ = _run(torch.randn(4, 5), target, "mean", ignore_index=ignore_index)
+    assert_close(loss, ref, torch.float32)
+    assert torch.count_nonzero(grad[1]) == 0 and torch.count_nonzero(grad[3]) == 0
 
 
 def test_strided_and_one_dimensional_logits():

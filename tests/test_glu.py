@@ -150,6 +150,51 @@ def test_other_reader_of_reused_buffer_fails_loudly(device):
         loss.backward()
 
 
+# Inputs made from caller-owned leaves in ways that share memory or are saved by autograd (issue 16):
+# layout -> (leaf shapes, build(leaves) -> (gate, up)). Backward must leave every leaf as it was
+# and give the gradients float64 PyTorch gives.
+SHARED_MEMORY_LAYOUTS = {
+    "leaf_slice": ([(4, 16), (4, 8)], lambda p, u: (p[:, :8], u)),  # a view of a parameter
+    "leaf_reshape": ([(4, 8), (4, 8)], lambda p, u: (p.view(2, 16), u.view(2, 16))),  # covers the whole leaf
+    "expanded_leaf": ([(1, 8), (4, 8)], lambda g0, u: (g0.expand(4, 8), u)),  # 4 rows share 8 cells
+    "expanded_matmul": ([(1, 5), (5, 8), (4, 8)], lambda x, w, u: ((x @ w).expand(4, 8), u)),
+    "output_saved_upstream": ([(4, 8), (4, 8)], lambda z, u: (torch.sigmoid(z), torch.exp(u))),  # backward reads it
+}
+
+
+@pytest.mark.parametrize("layout", list(SHARED_MEMORY_LAYOUTS))
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_inputs_sharing_memory_are_never_overwritten(device, op_name, layout):
+    op, reference = OPS[op_name]
+    shapes, build = SHARED_MEMORY_LAYOUTS[layout]
+    leaves = [torch.randn(shape, device=device, requires_grad=True) for shape in shapes]
+    before = [leaf.detach().clone() for leaf in leaves]
+    out = op(*build(*leaves))
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    leaves64 = [leaf.detach().double().requires_grad_() for leaf in leaves]
+    reference(*build(*leaves64)).backward(grad_out.double())
+    for i, (leaf, leaf64, old) in enumerate(zip(leaves, leaves64, before)):
+        assert torch.equal(leaf.detach(), old), f"leaf {i} was overwritten"
+        assert_close(leaf.grad, leaf64.grad, torch.float32, scale=10, msg=f"grad of leaf {i}")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_3d_linear_outputs_are_reused(device, bias):
+    """gate_proj(x) of an HF MLP ([batch, seq, hidden] input) keeps the memory win; with a bias it is a
+    full-size view of the addmm output, still the op's to overwrite."""
+    x = torch.randn(2, 3, 16, device=device, requires_grad=True)
+    proj = torch.nn.Linear(16, 40, bias=bias, device=device)
+    gate, up = proj(x), proj(x)
+    assert (gate._base is not None) == bias
+    seen = {}
+    gate.register_hook(lambda g: seen.__setitem__("gate", g.data_ptr()))
+    up.register_hook(lambda g: seen.__setitem__("up", g.data_ptr()))
+    ptrs = {"gate": gate.data_ptr(), "up": up.data_ptr()}
+    swiglu(gate, up).sum().backward()
+    assert seen == ptrs
+
+
 def test_same_tensor_as_gate_and_up(device):
     """swiglu(a, a): the buffers alias, so backward must not reuse them; gradient is the sum of both."""
     x, w_gate, _ = _mlp_activations(device)

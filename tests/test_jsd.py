@@ -146,6 +146,18 @@ def test_jsd_without_target_and_custom_ignore_index(device):
     assert_close(jsd(s, t, target, ignore_index=3), rows[target != 3].mean(), torch.float32)
 
 
+@pytest.mark.parametrize("ignore_index", [2**40, -(2**63), 2**63 - 1])
+def test_ignore_index_beyond_int32_with_int32_target(ignore_index, device):
+    """Any int64 ignore_index is compared exactly, also with int32 targets: 2**40 is no int32's value,
+    so it ignores nothing (torch compares an int32 tensor with 2**40 wrapped to 0)."""
+    s, t = make_logp((4, 30), torch.float32, device)
+    hs, ws, ht, wt = make_heads(4, 8, 8, 30, torch.float32, device)
+    target = torch.tensor([0, 1, 0, 2], dtype=torch.int32, device=device)
+    assert_close(jsd(s, t, target, ignore_index=ignore_index), jsd(s, t), torch.float32)
+    fused = fused_linear_jsd(hs, ws, ht, wt, target, ignore_index=ignore_index)
+    assert_close(fused, fused_linear_jsd(hs, ws, ht, wt), torch.float32)
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 def test_jsd_zero_probability_entries_contribute_nothing(beta, device):
     """A teacher that masks part of the vocabulary (-inf log-probs) gives a finite loss, not NaN."""
@@ -166,6 +178,27 @@ def test_jsd_zero_probability_entries_contribute_nothing(beta, device):
     loss.backward()
     ref.backward()
     assert_grad_close(s.grad, s64.grad, torch.float32)
+
+
+@pytest.mark.parametrize("reduction", ["none", "batchmean"])
+@pytest.mark.parametrize("beta", BETAS)
+@pytest.mark.parametrize("side", ["student", "teacher"])
+def test_jsd_nan_propagates_like_torch(side, beta, reduction, device):
+    """A NaN log-prob gives a NaN loss, and NaN gradient entries exactly where float64 PyTorch has
+    them (issue 16): never a NaN loss with finite gradients, nor a finite loss. (At beta = 0 the
+    student gradient is -p_t: finite for a NaN student, as in torch.)"""
+    s, t = make_logp((3, 20), torch.float32, device)
+    (s if side == "student" else t)[1, 4] = float("nan")
+    s.requires_grad_(True)
+    loss = jsd(s, t, beta=beta, reduction=reduction)
+    ref, s64 = jsd_reference(s, t, None, beta, reduction)
+    assert torch.equal(loss.isnan(), ref.isnan()) and ref.isnan().any()
+    upstream = torch.rand_like(ref) + 0.5
+    loss.backward(upstream.float())
+    ref.backward(upstream)
+    assert torch.equal(s.grad.isnan(), s64.grad.isnan())
+    finite = ~s64.grad.isnan()
+    assert_close(s.grad[finite], s64.grad[finite], torch.float32)
 
 
 def test_jsd_endpoints_are_the_normalised_limits(device):
@@ -317,6 +350,19 @@ def test_fused_linear_jsd_3d_without_target_default_chunks(device):
     ref.backward()
     assert_grad_close(hs3.grad.view(10, 8), hs64.grad, torch.float32)
     assert_grad_close(ws.grad, ws64.grad, torch.float32)
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_fused_linear_jsd_nan_propagates_like_torch(beta, device):
+    """A NaN in one token's student hidden state: NaN loss, and NaN gradients where torch has them."""
+    hs, ws, ht, wt = make_heads(6, 8, 8, 40, torch.float32, device)
+    hs.detach()[2, 3] = float("nan")
+    loss = fused_linear_jsd(hs, ws, ht, wt, beta=beta, chunk_size=4)
+    ref, hs64, ws64 = fused_reference(hs, ws, ht, wt, None, beta, 1.0)
+    assert loss.isnan() and ref.isnan()
+    loss.backward()
+    ref.backward()
+    assert torch.equal(hs.grad.isnan(), hs64.grad.isnan()) and torch.equal(ws.grad.isnan(), ws64.grad.isnan())
 
 
 def test_fused_linear_jsd_all_ignored(device):

@@ -21,7 +21,7 @@ def make_affine(n, dtype, device, with_weight=True, with_bias=True):
     return weight, bias
 
 
-def check_layer_norm(x, weight, bias, eps=1e-5, scale=1.0):
+def check_layer_norm(x, weight, bias, eps=1e-5, scale=1.0, dy=None):
     """Forward and all gradients against float64 F.layer_norm on the same (rounded) inputs."""
     leaves = [t.detach().double().requires_grad_() if t is not None else None for t in (x, weight, bias)]
     y_ref = F.layer_norm(leaves[0], (x.shape[-1],), leaves[1], leaves[2], eps)
@@ -29,13 +29,24 @@ def check_layer_norm(x, weight, bias, eps=1e-5, scale=1.0):
     dtypes = [t.dtype for t in (x, weight, bias) if t is not None]
     value_dtype = least_precise(*dtypes)
     assert_matches_reference(y, y_ref, x.dtype, value_dtype, scale, what="y")
-    dy = torch.randn_like(y)
+    dy = torch.randn_like(y) if dy is None else dy
     y.backward(dy)
     y_ref.backward(dy.double())
+    magnitudes = {"dx": dx_magnitude(leaves[0], leaves[1], dy, eps)}
     for name, t, ref in zip(("dx", "dweight", "dbias"), (x, weight, bias), leaves):
         if t is not None:
             assert t.grad.dtype == t.dtype, name
-            assert_close(t.grad, ref.grad, value_dtype, scale, msg=name)
+            assert_close(t.grad, ref.grad, value_dtype, scale, msg=name, magnitude=magnitudes.get(name, 1.0))
+
+
+def dx_magnitude(x, weight, dy, eps) -> float:
+    """Scale of the terms dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) subtracts, g = dy * w:
+    rstd * |g|, at least 1. A row of near-constant x has rstd up to 1 / sqrt(eps) (316 at 1e-5), and
+    its dx cancels to ~0 (exactly 0 with one column) up to a few fp32 roundings of that scale."""
+    x64 = x.detach().double()
+    rstd = (x64.var(-1, unbiased=False, keepdim=True) + eps).rsqrt()
+    g = dy.double() * (weight.detach().double() if weight is not None else 1.0)
+    return max(1.0, float((rstd * g.abs()).max()))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -44,6 +55,35 @@ def test_layer_norm_matches_reference(shape, dtype, device):
     x = (torch.randn(shape, device=device) * 2 + 0.5).to(dtype).requires_grad_()  # non-zero mean
     weight, bias = make_affine(shape[-1], dtype, device)
     check_layer_norm(x, weight, bias)
+
+
+def test_one_column_dx_with_the_gpus_fma_rounding(monkeypatch, device):
+    """The H200 failure of [float32-(1, 1)] (issue 16), reproduced on any device.
+
+    With one column x - mean = 0, so dx = rstd * (g - mean(g)) is exactly 0 (g = dy * w). Compiled
+    for the GPU, g - mean(g) can keep one rounding of g: Triton contracts it into
+    fma(dy, w, -mean(g)) by default, leaving the rounding error of dy * w (up to half an ulp of g;
+    an approximate division by n_cols would leave about as much). Times rstd = 1 / sqrt(eps) = 316
+    that is 7.5e-5 here. The kernel is right to fp32 precision of the terms it subtracts
+    (rstd * |g| = 1375), so dx's atol must be relative to that scale, not to 1. Emulated: the
+    backward's dx gets exactly the fma residual.
+    """
+    real_backward = layer_norm_module._LayerNormFunction.backward
+    residuals = []
+
+    def backward_as_on_the_gpu(ctx, dy):
+        dx, *rest = real_backward(ctx, dy)
+        _, weight, _, _, rstd = ctx.saved_tensors
+        fma_residual = dy.double() * weight.double() - (dy * weight).double()  # fma(dy, w, -fp32(dy * w))
+        residuals.append((rstd.double()[:, None] * fma_residual).float())
+        return (dx + residuals[-1], *rest)
+
+    monkeypatch.setattr(layer_norm_module._LayerNormFunction, "backward", staticmethod(backward_as_on_the_gpu))
+    x = torch.tensor([[0.3]], device=device, requires_grad=True)
+    weight = torch.tensor([1.5], device=device, requires_grad=True)
+    bias = torch.tensor([0.2], device=device, requires_grad=True)
+    check_layer_norm(x, weight, bias, dy=torch.tensor([[2.9]], device=device))
+    assert residuals[0].abs().item() > 5e-5  # what an absolute 1e-5 on dx rejected
 
 
 @pytest.mark.parametrize("with_weight, with_bias", [(False, False), (True, False), (False, True)])

@@ -287,6 +287,16 @@ def test_bad_inputs(device, monkeypatch):
         rms_norm(torch.randn(4, 8), torch.randn(8))
 
 
+def test_fused_add_without_residual_raises(device):
+    """The result is always the (normed, residual) pair; with residual=None there is no pair, and one
+    tensor back would make `y, r = fused_add_rms_norm(...)` silently split it by rows (issue 16)."""
+    x, w = torch.randn(4, 8, device=device), torch.ones(8, device=device)
+    with pytest.raises(TypeError, match="residual must be a torch.Tensor, got NoneType; .*rms_norm"):
+        fused_add_rms_norm(x, None, w)
+    with pytest.raises(TypeError, match="residual must be a torch.Tensor"):
+        FusedAddRMSNorm(8, device=device)(x, None)
+
+
 def test_module_loads_hf_llama_state_dict(device):
     hf = LlamaRMSNorm(96, eps=1e-5).to(device)
     with torch.no_grad():

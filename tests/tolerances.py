@@ -21,6 +21,20 @@ def tol(dtype: torch.dtype, scale: float = 1.0) -> dict:
     return dict(atol=t["atol"] * scale, rtol=t["rtol"] * scale)
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, scale: float = 1.0, msg: str = ""):
-    """Compare in float64 with the tolerance of `dtype` (the dtype the kernel computed in)."""
-    torch.testing.assert_close(actual.double(), expected.double(), **tol(dtype, scale), msg=msg or None)
+def assert_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    dtype: torch.dtype,
+    scale: float = 1.0,
+    msg: str = "",
+    magnitude: float = 1.0,
+):
+    """Compare in float64 with the tolerance of `dtype` (the dtype the kernel computed in).
+
+    `magnitude`: the size of the terms whose difference `expected` is, where that exceeds 1. atol
+    is relative to it: a difference that cancels to ~0 keeps a few roundings of those terms.
+    """
+    t = tol(dtype, scale)
+    torch.testing.assert_close(
+        actual.double(), expected.double(), atol=t["atol"] * magnitude, rtol=t["rtol"], msg=msg or None
+    )

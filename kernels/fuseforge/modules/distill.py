@@ -7,7 +7,7 @@ import torch
 from fuseforge.modules._checks import check_size
 from fuseforge.ops.jsd import JSD_REDUCTIONS, check_beta, fused_linear_jsd, jsd
 from fuseforge.ops.kl_div import KL_REDUCTIONS, kl_div
-from fuseforge.ops.utils import check_positive, check_reduction
+from fuseforge.ops.utils import check_int64, check_positive, check_reduction
 
 
 class JSDLoss(torch.nn.Module):
@@ -19,7 +19,7 @@ class JSDLoss(torch.nn.Module):
     def __init__(self, beta: float = 0.5, ignore_index: int = -100, reduction: str = "batchmean"):
         super().__init__()
         self.beta = check_beta(beta)
-        self.ignore_index = ignore_index
+        self.ignore_index = check_int64("ignore_index", ignore_index)
         self.reduction = check_reduction(reduction, JSD_REDUCTIONS)
 
     def forward(self, student_logp, teacher_logp, target=None):
@@ -41,7 +41,7 @@ class FusedLinearJSDLoss(torch.nn.Module):
         super().__init__()
         self.beta = check_beta(beta)
         self.temperature = check_positive("temperature", temperature)
-        self.ignore_index = ignore_index
+        self.ignore_index = check_int64("ignore_index", ignore_index)
         if chunk_size is not None:
             chunk_size = check_size("chunk_size", chunk_size)
         self.chunk_size = chunk_size

@@ -40,11 +40,13 @@ from fuseforge.ops.targets import raise_pending_target_errors, scan_targets
 from fuseforge.ops.utils import (
     TRAINING_DTYPES,
     check_device_supported,
+    check_int64,
     check_positive,
     check_reduction,
     check_same_device,
     check_tensor,
     is_interpreter,
+    may_overlap,
     num_programs_hint,
 )
 
@@ -65,8 +67,7 @@ class LossOptions:
 
 def check_loss_options(ignore_index, reduction, label_smoothing, z_loss_scale, softcap) -> LossOptions:
     """Validate the loss options once, with errors that name the argument."""
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_int64("ignore_index", ignore_index)
     check_reduction(reduction)
     try:
         label_smoothing = float(label_smoothing)
@@ -531,7 +532,8 @@ def cross_entropy(
     inplace_grad=True writes the gradient into the logits' own buffer during backward (saves
     one [N, V] allocation). Opt in only when nothing reads the logits after backward; any
     autograd node that saved them then raises instead of silently using the gradient.
-    Ignored for leaf tensors (their .grad must not alias their data).
+    Ignored for leaf tensors (their .grad must not alias their data) and for expanded logits
+    (elements sharing memory cannot each hold their gradient): those get a fresh buffer.
 
     return_lse=True also returns the fp32 log-sum-exp per token (shape of target, not
     differentiable; defined at ignored tokens too).
@@ -550,10 +552,11 @@ def cross_entropy(
     check_same_device(logits=logits, target=target)
     check_device_supported("logits", logits)
 
-    # A leaf's .grad must not alias its data: logits that are (a view of) a leaf get a fresh buffer.
-    base = logits if logits._base is None else logits._base
-    inplace_grad = bool(inplace_grad) and not base.is_leaf
     flat_logits = logits.reshape(-1, n_classes)
+    # A leaf's .grad must not alias its data: logits that are (a view of) a leaf get a fresh buffer,
+    # and so do expanded logits (one cell for many elements cannot hold all their gradients).
+    base = logits if logits._base is None else logits._base
+    inplace_grad = bool(inplace_grad) and not base.is_leaf and not may_overlap(flat_logits)
     flat_target = target.reshape(-1).to(torch.int64).contiguous()
     inv_count = scan_targets(flat_target, n_classes, opts.ignore_index, "cross_entropy")
     loss, lse = _CrossEntropyFunction.apply(flat_logits, flat_target, inv_count, opts, reduction, inplace_grad)

@@ -5,14 +5,21 @@ Forward keeps only gate and up; backward recomputes the activation from them,
 so no activation is ever stored.
 
 Memory: backward writes d_gate/d_up into the saved gate/up buffers when that is
-safe, so it allocates nothing. Safe means each buffer is a non-leaf activation
-(e.g. a fresh linear output in an MLP, which nothing but this op reads later)
-or a private copy this op made, and gate and up do not share storage. Their
-autograd version counters are bumped afterwards, so another op that saved the
-same tensor fails loudly ("modified by an inplace operation") rather than
-reading gradients. Leaves (tensors the caller owns) always get fresh buffers.
-Pass `inplace_backward=False` to keep gate/up intact (e.g. to inspect them
-after backward, or to call backward twice with retain_graph=True).
+provably safe, so it allocates nothing; otherwise it allocates. A buffer is reused only if
+it is private to this op: a private copy made here, or an activation that
+* was made by an op whose backward never reads its output (`_PRIVATE_PRODUCERS`: the
+  matmuls of a linear layer and a bias/LoRA add; e.g. gate_proj(x) in an MLP), so that no
+  upstream backward needs it and it is no leaf (a parameter or other caller-owned tensor);
+* is that op's whole output, dense: contiguous, covering its whole storage (a 3-D linear with
+  bias returns a full-size view of its addmm output, which passes). Slices and views of leaves,
+  `expand`ed tensors (one cell per many elements) and anything else share memory with
+  tensors someone else may read, so they get fresh buffers;
+* does not share storage with the other input.
+Their autograd version counters are bumped afterwards, so another op that saved the same
+tensor (e.g. `gate * gate`) fails loudly ("modified by an inplace operation") rather than
+reading gradients. What this cannot see is the caller reading such an activation after
+backward: pass `inplace_backward=False` to keep gate/up intact (e.g. to inspect them after
+backward, or to call backward twice with retain_graph=True).
 """
 
 from __future__ import annotations
@@ -198,6 +205,26 @@ class _GLUFunction(torch.autograd.Function):
         return grad_gate.view(ctx.shape), grad_up.view(ctx.shape), None, None, None, None
 
 
+# grad_fn names of ops whose backward reads their inputs but never their output, and whose
+# output is a fresh tensor: `_unsafe_view` is what matmul folds a 3-D product with (it is only
+# ever applied to a tensor nothing else holds). An op not listed may save its output (sigmoid,
+# exp, a custom Function...), so its output is never overwritten.
+_PRIVATE_PRODUCERS = frozenset(
+    {"MmBackward0", "AddmmBackward0", "BmmBackward0", "BaddbmmBackward0", "UnsafeViewBackward0", "AddBackward0"}
+)
+
+
+def _is_private_activation(t: torch.Tensor) -> bool:
+    """True when backward may overwrite `t` with its gradient (the rule in the module docstring)."""
+    owner = t if t._base is None else t._base
+    return (
+        type(owner.grad_fn).__name__ in _PRIVATE_PRODUCERS
+        and t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
+
+
 def _glu(gate: torch.Tensor, up: torch.Tensor, activation: int, inplace_backward: bool) -> torch.Tensor:
     check_tensor("gate", gate, min_ndim=1, dtypes=FLOAT_DTYPES)
     check_tensor("up", up, min_ndim=1, dtypes=FLOAT_DTYPES)
@@ -206,21 +233,22 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, activation: int, inplace_backward
     check_same_dtype(gate=gate, up=up)
     check_same_device(gate=gate, up=up)
     check_device_supported("gate", gate)
-    # A buffer may take its own gradient only if nothing else will read it: an activation made by
-    # autograd (grad_fn set), not a caller-held leaf, and not sharing memory with the other input.
     shares_storage = gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
     inplace_backward = bool(inplace_backward)
     reusable = inplace_backward and not shares_storage
-    gate_reusable = reusable and gate.grad_fn is not None
-    up_reusable = reusable and up.grad_fn is not None
+    gate_reusable = reusable and _is_private_activation(gate)
+    up_reusable = reusable and _is_private_activation(up)
     return _GLUFunction.apply(gate, up, activation, inplace_backward, gate_reusable, up_reusable)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, *, inplace_backward: bool = True) -> torch.Tensor:
     """silu(gate) * up (LLaMA/Mistral/Qwen MLP), fused; output in the inputs' dtype.
 
-    gate and up: same shape [..., intermediate], dtype and device. See the module docstring for
-    when backward reuses gate/up's memory for their gradients (inplace_backward).
+    gate and up: same shape [..., intermediate], dtype and device. Backward writes their
+    gradients into their own memory only when it is private to this op (the whole, dense output
+    of a linear layer or a bias add, as gate_proj(x) in an MLP); slices, views of leaves,
+    expanded tensors and outputs another backward reads get fresh buffers (module docstring).
+    inplace_backward=False always allocates, for callers that read gate/up after backward.
     """
     return _glu(gate, up, SILU, inplace_backward)
 
@@ -231,6 +259,7 @@ def geglu(
     """gelu(gate, approximate) * up (Gemma MLP), fused; torch.nn.functional.gelu semantics.
 
     approximate: "tanh" (gelu_pytorch_tanh, Gemma's default) or "none" (exact erf GELU).
+    Memory and inplace_backward: as for swiglu.
     """
     if approximate not in GELU_APPROXIMATIONS:
         raise ValueError(f"approximate must be one of {tuple(GELU_APPROXIMATIONS)}, got {approximate!r}")

@@ -33,6 +33,7 @@ from torch.autograd.function import once_differentiable
 from fuseforge.ops.utils import (
     TRAINING_DTYPES,
     check_device_supported,
+    check_int64,
     check_positive,
     check_reduction,
     check_same_device,
@@ -82,12 +83,6 @@ def _beta_mode(beta: float) -> int:
     return _BETA_MIXTURE
 
 
-def _check_ignore_index(ignore_index) -> int:
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-    return ignore_index
-
-
 def _check_target(target, lead_shape: torch.Size, like: str) -> None:
     if target is None:
         return
@@ -103,7 +98,8 @@ def _row_scale(target, ignore_index: int, n_rows: int, per_row: int, device) -> 
     if target is None:
         count = torch.tensor(float(n_rows * per_row), device=device)
     else:
-        count = (target != ignore_index).sum().to(torch.float32) * per_row
+        # In int64, as the kernels compare: torch wraps 2**40 to 0 against an int32 tensor.
+        count = (target.to(torch.int64) != ignore_index).sum().to(torch.float32) * per_row
     return 1.0 / count.clamp(min=1.0)
 
 
@@ -115,21 +111,22 @@ def _jsd_pointwise(s, t, beta, BETA_MODE: tl.constexpr):
     """Elementwise generalized-JSD term and its derivative w.r.t. the student log-prob `s` (fp32).
 
     Terms with a zero probability contribute 0 (x log x -> 0), so -inf log-probs and masked
-    lanes (s = t = -inf) give 0 loss and 0 gradient instead of NaN.
+    lanes (s = t = -inf) give 0 loss and 0 gradient instead of NaN. The test is `p != 0`, not
+    `p > 0`, so that a NaN input stays NaN in the loss and gradient, as in torch.
     """
     p_s = tl.exp(s)
     p_t = tl.exp(t)
     if BETA_MODE == 0:  # forward KL(P_t || P_s)
-        loss = tl.where(p_t > 0, p_t * (t - s), 0.0)
+        loss = tl.where(p_t != 0.0, p_t * (t - s), 0.0)
         grad = -p_t
     elif BETA_MODE == 1:  # reverse KL(P_s || P_t)
         log_ratio = s - t
-        loss = tl.where(p_s > 0, p_s * log_ratio, 0.0)
-        grad = tl.where(p_s > 0, p_s * (log_ratio + 1.0), 0.0)
+        loss = tl.where(p_s != 0.0, p_s * log_ratio, 0.0)
+        grad = tl.where(p_s != 0.0, p_s * (log_ratio + 1.0), 0.0)
     else:
         log_m = tl.log(beta * p_t + (1.0 - beta) * p_s)
-        student_term = tl.where(p_s > 0, p_s * (s - log_m), 0.0)
-        teacher_term = tl.where(p_t > 0, p_t * (t - log_m), 0.0)
+        student_term = tl.where(p_s != 0.0, p_s * (s - log_m), 0.0)
+        teacher_term = tl.where(p_t != 0.0, p_t * (t - log_m), 0.0)
         # d/ds of the whole row loss reduces to (1 - beta) * p_s * (s - log m): the terms through M cancel.
         grad = (1.0 - beta) * student_term
         loss = beta * teacher_term + grad
@@ -352,7 +349,7 @@ def jsd(
     t2 = _last_dim_contiguous(teacher_logp.detach().reshape(-1, n_cols))
     tgt = target.reshape(-1).contiguous() if target is not None else None
     compute_grad = torch.is_grad_enabled() and student_logp.requires_grad
-    loss = _JSDFunction.apply(s2, t2, tgt, beta, _check_ignore_index(ignore_index), reduction, compute_grad)
+    loss = _JSDFunction.apply(s2, t2, tgt, beta, check_int64("ignore_index", ignore_index), reduction, compute_grad)
     return loss.view(lead_shape) if reduction == "none" else loss
 
 
@@ -495,6 +492,6 @@ def fused_linear_jsd(
     grad_enabled = torch.is_grad_enabled()
     return _FusedLinearJSDFunction.apply(
         h_s, student_weight.contiguous(), h_t, teacher_weight.detach().contiguous(), tgt,
-        beta, temperature, _check_ignore_index(ignore_index), chunk_size,
+        beta, temperature, check_int64("ignore_index", ignore_index), chunk_size,
         grad_enabled and student_hidden.requires_grad, grad_enabled and student_weight.requires_grad,
     )

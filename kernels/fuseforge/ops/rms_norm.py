@@ -256,6 +256,10 @@ def fused_add_rms_norm(
 
     x and residual must share shape and dtype. Gradients reach x, residual and weight;
     a gradient on the returned residual is added to the norm's input gradient.
+    residual=None raises: the result is always the pair, and one tensor back would let
+    `y, r = fused_add_rms_norm(...)` silently split it by rows.
     """
+    if residual is None:
+        raise TypeError("residual must be a torch.Tensor, got NoneType; without a residual use rms_norm(x, weight)")
     eps, offset = _check_inputs(x, weight, eps, offset, casting, residual=residual)
     return _RMSNormFunction.apply(x, residual, weight, eps, offset, casting)

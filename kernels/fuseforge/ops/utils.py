@@ -64,6 +64,19 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def may_overlap(t: torch.Tensor) -> bool:
+    """True unless each element of `t` has a memory cell of its own (False for any dense or sliced
+    layout; True for `expand`/broadcast views, stride 0): a kernel writing a result into `t`
+    element by element would write such shared cells several times. Conservative: a layout that
+    is not sorted-stride nested counts as overlapping."""
+    span = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if stride < span:
+            return True
+        span = stride * size
+    return False
+
+
 def check_tensor(
     name: str,
     t: object,
@@ -120,6 +133,16 @@ def check_positive(name: str, value: float) -> float:
     if not v > 0 or v != v or v == float("inf"):
         raise ValueError(f"{name} must be a finite number > 0, got {value}")
     return v
+
+
+def check_int64(name: str, value: object) -> int:
+    """Raise TypeError unless `value` is an int, ValueError unless it fits in int64: it is compared
+    with int64 class indices on the device, and Triton cannot pass a larger Python int to a kernel."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not -(2**63) <= value < 2**63:
+        raise ValueError(f"{name} must be an int in the int64 range [-2**63, 2**63 - 1], got {value}")
+    return value
 
 
 def check_reduction(reduction: str, allowed: Iterable[str] = ("mean", "sum", "none")) -> str:
