@@ -22,7 +22,7 @@ STEPS = 8
 
 
 def _spec(ckpt_dir, **overrides):
-    base = dict(model="tiny-llama", dataset="builtin:text", steps=STEPS, batch_size=2, seq_len=32, lr=3e-3,
+    base = dict(model="tiny-llama", dataset="bench:bytes", steps=STEPS, batch_size=2, seq_len=32, lr=3e-3,
                 warmup_steps=2, kernels=False, checkpoint_dir=str(ckpt_dir), checkpoint_every=2, keep_last=3,
                 seed=3)
     base.update(overrides)

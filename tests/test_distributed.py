@@ -34,7 +34,7 @@ STEPS = 4
 
 
 def _spec(**overrides):
-    base = dict(model="tiny-llama", dataset="builtin:text", steps=STEPS, batch_size=GLOBAL_BATCH, seq_len=32,
+    base = dict(model="tiny-llama", dataset="bench:bytes", steps=STEPS, batch_size=GLOBAL_BATCH, seq_len=32,
                 lr=3e-3, kernels=False, seed=5)
     base.update(overrides)
     return TrainSpec(**base)
@@ -137,7 +137,7 @@ def _fsdp_guard_worker():
         with pytest.raises(PartitionedWeightError, match="DTensor shard"):
             check_full_lm_head(strategy.inner)
         ids = torch.randint(0, 259, (2, 16))
-        strategy.backward(strategy.forward(ids, True))  # the installed guard passes inside the forward
+        strategy.backward(strategy.forward({"input_ids": ids, "labels": ids}, True))  # the guard passes inside
         return True
     finally:
         ctx.close()
@@ -165,7 +165,7 @@ def test_zero3_lm_head_guard(deepspeed_on_cpu, monkeypatch):
         with pytest.raises(PartitionedWeightError, match="numel 0"):
             check_full_lm_head(strategy.inner)
         ids = torch.randint(0, 259, (2, 16))
-        strategy.backward(strategy.forward(ids, True))  # guard inside the forward passes
+        strategy.backward(strategy.forward({"input_ids": ids, "labels": ids}, True))  # guard inside the forward passes
     finally:
         if strategy is not None:
             strategy.close()

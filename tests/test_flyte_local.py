@@ -17,18 +17,27 @@ import torch
 from flytekit import task
 from flytekit.core.context_manager import FlyteContextManager
 
+from flytekit import workflow
+from flytekit.types.directory import FlyteDirectory
+
 from fuseforge_flyte.comparison import Comparison
 from fuseforge_flyte.config import load_config
-from fuseforge_flyte.tasks import CONFIG, training_task_options
+from fuseforge_flyte.tasks import CONFIG, DataSource, training_task_options
 from fuseforge_flyte.training.spec import TrainMetrics
-from fuseforge_flyte.workflows import compare, train
+from fuseforge_flyte.workflows import _prepared, compare, demo, train
 
 pytestmark = pytest.mark.slow
 
 STEPS = 10
 CUDA = torch.cuda.is_available()
 WORKERS = min(2, torch.cuda.device_count()) if CUDA else 2  # [elastic].local_nproc_per_node, capped at the GPUs
-TINY = dict(model="tiny-llama", dataset="builtin:synthetic", steps=STEPS, batch_size=2, seq_len=32, lr=3e-3, dtype="fp32")
+TINY = dict(model="tiny-llama", dataset="bench:synthetic", steps=STEPS, batch_size=2, seq_len=32, lr=3e-3, dtype="fp32")
+
+
+@workflow
+def prepare_only(dataset: DataSource, seq_len: int) -> FlyteDirectory:
+    """The train workflow's data steps alone: fingerprint, then the cached preparation."""
+    return _prepared(dataset, "tiny-llama", "", "auto", "", "train", seq_len, True, 0.2, "", 0)
 
 
 def decks_written_since(start: float) -> list[str]:
@@ -44,16 +53,16 @@ def probe_worker() -> str:
     return f"{env['RANK']}/{env['WORLD_SIZE']} interpret={env.get('TRITON_INTERPRET')} fresh_store={env.get('TORCH_DISABLE_SHARE_RDZV_TCP_STORE')}"
 
 
-def assert_real_run(m: TrainMetrics, kernels: bool) -> None:
+def assert_real_run(m: TrainMetrics, kernels: bool, steps: int = STEPS, seq_len: int = 32) -> None:
     assert isinstance(m, TrainMetrics)
-    assert (m.model, m.kernels, m.world_size, m.steps) == ("tiny-llama", kernels, WORKERS, STEPS)
+    assert (m.model, m.kernels, m.world_size, m.steps) == ("tiny-llama", kernels, WORKERS, steps)
     assert (m.device != "cpu") if CUDA else (m.device == "cpu")
     assert m.tokens_per_s > 0 and m.samples_per_s > 0
-    assert m.tokens_per_step == WORKERS * 2 * 32  # world size x batch x seq_len
+    assert m.tokens_per_step == WORKERS * 2 * seq_len  # world size x batch x seq_len
     assert 0 < m.step_time_p50_s <= m.step_time_p90_s <= m.step_time_p99_s
     assert m.peak_memory_gib > 0
     for curve in (m.loss_curve, m.tokens_per_s_curve, m.memory_gib_curve):
-        assert len(curve) == STEPS and all(math.isfinite(v) for v in curve)
+        assert len(curve) == steps and all(math.isfinite(v) for v in curve)
     assert math.isfinite(m.final_loss) and m.final_loss == pytest.approx(m.loss_curve[-1])
     first, last = m.loss_curve[:3], m.loss_curve[-3:]
     assert sum(last) / 3 < sum(first) / 3 - 0.05, f"loss did not decrease: {m.loss_curve}"
@@ -86,14 +95,48 @@ def test_registered_multi_node_task_runs_as_one_local_node(tmp_path, monkeypatch
     assert "TRITON_INTERPRET" not in os.environ and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
 
 
-def test_train_workflow_end_to_end():
-    assert CONFIG.elastic.local_nproc_per_node == 2
+def test_demo_fine_tunes_returns_the_model_and_samples_it(capsys):
+    """The README's main job: SFT on builtin:chat (BPE tokenizer, assistant-only loss, packed, eval), kernels
+    on; the trained model comes back as a Hugging Face directory that plain transformers loads and runs."""
     start = time.time()
-    metrics = train(kernels=True, loss_chunk_size=32, **TINY)  # 2 x 31 targets per worker: 2 loss chunks
-    assert_real_run(metrics, kernels=True)
+    out = demo(steps=12, batch_size=2, seq_len=64, eval_every=6, prompts=["What is the capital of Spain?"])
+    m = out.metrics
+    assert_real_run(m, kernels=True, steps=12, seq_len=64)
+    assert m.kernels_patched and m.dataset == "builtin:chat"
+    assert len(m.eval_loss_curve) == 2 and m.eval_steps == [6, 12] and math.isfinite(m.eval_loss)
+    assert m.eval_perplexity == pytest.approx(math.exp(m.eval_loss))
+    assert m.eval_loss_curve[-1] < m.eval_loss_curve[0]
+    assert 0 < m.loss_tokens_per_step < m.tokens_per_step  # only assistant tokens carry a loss
+    assert 0 <= m.data_wait_fraction < 0.5
+    model_dir = out.model.download()
+    names = set(os.listdir(model_dir))
+    assert {"config.json", "generation_config.json", "tokenizer.json"} <= names
+    assert any(n.endswith(".safetensors") for n in names)
+    assert len(out.answers) == 1 and isinstance(out.answers[0], str)
+    printed = capsys.readouterr()
+    assert "step 12/12" in printed.out + printed.err  # progress reaches the console through Flyte's workers
     decks = [d for d in decks_written_since(start) if "Training metrics" in d]
     assert decks, "no deck.html with the training metrics was written"
-    assert "data:image/png;base64," in decks[0] and "tokens/s" in decks[0]
+    assert "data:image/png;base64," in decks[0] and "eval loss" in decks[0]
+
+
+def test_data_preparation_is_cached_on_the_contents(tmp_path, monkeypatch):
+    """A second run with the same dataset contents and options skips the preparation; new contents redo it."""
+    import fuseforge_flyte.data.prepare as prepare_module
+
+    calls = []
+    real = prepare_module.prepare
+    monkeypatch.setattr(prepare_module, "prepare", lambda spec, out: calls.append(spec.dataset) or real(spec, out))
+    data = tmp_path / "chat.jsonl"
+    lines = [f'{{"prompt": "Say {i} {time.time_ns()}.", "completion": "{i}."}}' for i in range(40)]
+    data.write_text("\n".join(lines) + "\n")
+    first = prepare_only(dataset=str(data), seq_len=32)
+    second = prepare_only(dataset=str(data), seq_len=32)
+    assert len(calls) == 1, "the second preparation with the same inputs was not a cache hit"
+    assert first.path == second.path
+    data.write_text("\n".join(lines[:-1]) + "\n")  # same path, other contents: prepared again
+    third = prepare_only(dataset=str(data), seq_len=32)
+    assert len(calls) == 2 and third.path != first.path
 
 
 def test_compare_workflow_end_to_end():

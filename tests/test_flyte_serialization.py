@@ -172,14 +172,24 @@ def test_module_tasks_use_platform_toml():
     assert pod_container(t)["image"].startswith(f"{config.image.registry}/{config.image.name}:")
 
 
+# TrainSpec fields the data-preparation task consumes; the training task gets the prepared `data` instead.
+PREPARATION_FIELDS = {"dataset", "dataset_config", "dataset_split", "data_format", "tokenizer", "packing",
+                      "eval_fraction", "eval_dataset"}
+
+
 def test_workflow_inputs_mirror_trainspec_with_config_defaults():
-    spec_fields = [f.name for f in dataclasses.fields(TrainSpec)]
-    for entity in (train_model, train):
-        inputs = entity.python_interface.inputs_with_defaults
-        assert list(inputs) == spec_fields, f"{entity.name} inputs drifted from TrainSpec"
-        assert {k: v[1] for k, v in inputs.items()} == dataclasses.asdict(DEFAULTS)
+    spec_fields = [f.name for f in dataclasses.fields(TrainSpec) if f.name != "output_dir"]  # the task picks it
+    defaults = dataclasses.asdict(DEFAULTS)
+    inputs = train.python_interface.inputs_with_defaults
+    assert list(inputs) == spec_fields, "the train workflow's inputs drifted from TrainSpec"
+    assert {k: v[1] for k, v in inputs.items()} == {k: defaults[k] for k in spec_fields}
+    task_inputs = train_model.python_interface.inputs_with_defaults
+    assert list(task_inputs) == ["data"] + [f for f in spec_fields if f not in PREPARATION_FIELDS]
+    assert {k: v[1] for k, v in task_inputs.items() if k != "data"} == {k: defaults[k] for k in task_inputs if k != "data"}
+    assert list(train.python_interface.outputs) == ["metrics", "model"]
     compare_inputs = compare.python_interface.inputs_with_defaults
-    assert set(spec_fields) - set(compare_inputs) == {"kernels", "checkpoint_dir", "checkpoint_every", "keep_last"}
+    assert set(spec_fields) - set(compare_inputs) == {"kernels", "checkpoint_dir", "checkpoint_every", "keep_last",
+                                                      "eval_fraction", "eval_dataset", "eval_every"}
     assert compare.python_interface.outputs["o0"].__name__ == "Comparison"
 
 

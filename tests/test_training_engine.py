@@ -9,7 +9,7 @@ import torch
 
 from fuseforge_flyte.training import cli
 from fuseforge_flyte.training.data import (BYTE_VOCAB_SIZE, DataPosition, ShardedBatches, SyntheticTokens,
-                                           decode, encode, load_dataset)
+                                           benchmark_dataset, bytes_corpus_path, decode, encode)
 from fuseforge_flyte.training.engine import NonFiniteLossError, train
 from fuseforge_flyte.training.faults import NONFINITE_ENV
 from fuseforge_flyte.training.metrics import History, summarize
@@ -17,7 +17,7 @@ from fuseforge_flyte.training.models import PEAK_TFLOPS_ENV, PRESETS, build_mode
 from fuseforge_flyte.training.spec import TrainSpec
 from fuseforge_flyte.training.strategies import deepspeed_config
 
-TINY = dict(model="tiny-llama", dataset="builtin:text", batch_size=4, seq_len=32, kernels=False)
+TINY = dict(model="tiny-llama", dataset="bench:bytes", batch_size=4, seq_len=32, kernels=False)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -31,7 +31,7 @@ def _one_thread():
 # ---------------------------------------------------------------- training
 
 
-def test_loss_decreases_on_builtin_text_and_metrics_are_real():
+def test_loss_decreases_on_byte_text_and_metrics_are_real():
     m = train(TrainSpec(steps=24, lr=3e-3, **TINY))
     assert len(m.loss_curve) == len(m.step_time_curve) == len(m.tokens_per_s_curve) == 24
     assert all(math.isfinite(x) for x in m.loss_curve)
@@ -50,7 +50,7 @@ def test_loss_decreases_on_builtin_text_and_metrics_are_real():
 
 
 def test_same_seed_same_run_and_synthetic_data_learns():
-    spec = TrainSpec(model="tiny-qwen2", dataset="builtin:synthetic", steps=12, batch_size=2, seq_len=48,
+    spec = TrainSpec(model="tiny-qwen2", dataset="bench:synthetic", steps=12, batch_size=2, seq_len=48,
                      lr=3e-3, kernels=False, seed=11, grad_accum=2)
     first, second = train(spec), train(spec)
     assert first.loss_curve == second.loss_curve
@@ -212,53 +212,41 @@ def test_byte_tokenizer_roundtrip():
 
 def test_synthetic_is_deterministic_and_uses_the_vocab():
     a, b, c = SyntheticTokens(1000, 37, seed=1), SyntheticTokens(1000, 37, seed=1), SyntheticTokens(1000, 37, seed=2)
-    assert torch.equal(a[12345], b[12345]) and not torch.equal(a[12345], c[12345])
-    assert not torch.equal(a[0], a[1]) and a[0].shape == (37,) and int(a[0].max()) < 1000
+    assert not torch.equal(a[12345]["input_ids"], c[12345]["input_ids"])
+    assert torch.equal(a[12345]["input_ids"], b[12345]["input_ids"]) and torch.equal(a[5]["labels"], a[5]["input_ids"])
+    assert not torch.equal(a[0]["input_ids"], a[1]["input_ids"]) and a[0]["input_ids"].shape == (37,)
+    assert int(a[0]["input_ids"].max()) < 1000
 
 
-@pytest.mark.parametrize("name", ["builtin:text", "builtin:synthetic"])
+@pytest.mark.parametrize("name", ["bench:bytes", "bench:synthetic"])
 def test_global_batch_is_world_size_independent(name):
-    data = load_dataset(name, seq_len=16, vocab_size=BYTE_VOCAB_SIZE, seed=3)
+    data = benchmark_dataset(name, seq_len=16, vocab_size=BYTE_VOCAB_SIZE, seed=3)
     single = ShardedBatches(data, rank=0, world_size=1, batch_size=4, grad_accum=2, seed=3)
     ranks = [ShardedBatches(data, rank=r, world_size=2, batch_size=2, grad_accum=2, seed=3) for r in range(2)]
     for _ in range(30):  # several epochs of the small text
         one = single.next_step()
         two = [b.next_step() for b in ranks]
         for micro in range(2):  # micro-batch m of the single process == concat over ranks of micro m
-            assert torch.equal(one[micro], torch.cat([two[0][micro], two[1][micro]]))
+            for key in one[micro]:
+                assert torch.equal(one[micro][key], torch.cat([two[0][micro][key], two[1][micro][key]]))
 
 
 def test_data_position_resumes_the_stream():
-    data = load_dataset("builtin:text", seq_len=64, vocab_size=BYTE_VOCAB_SIZE, seed=0)
+    data = benchmark_dataset("bench:bytes", seq_len=64, vocab_size=BYTE_VOCAB_SIZE, seed=0)
     run = ShardedBatches(data, rank=0, world_size=1, batch_size=8, grad_accum=1, seed=0)
     for _ in range(15):
         run.next_step()
     assert run.position.epoch >= 1  # crossed an epoch boundary
     saved = DataPosition(run.position.epoch, run.position.index)
-    expected = [run.next_step()[0] for _ in range(5)]
+    expected = [run.next_step()[0]["input_ids"] for _ in range(5)]
     resumed = ShardedBatches(data, rank=0, world_size=1, batch_size=8, grad_accum=1, seed=0, position=saved)
-    assert all(torch.equal(x, resumed.next_step()[0]) for x in expected)
-
-
-def test_local_txt_and_jsonl_datasets(tmp_path):
-    txt = tmp_path / "docs.txt"
-    txt.write_text("first document\n\nsecond one\n")
-    assert load_dataset(str(txt), seq_len=4, vocab_size=300, seed=0).tokens.tolist() == \
-        encode("first document") + encode("second one")
-    jsonl = tmp_path / "docs.jsonl"
-    jsonl.write_text('{"text": "alpha"}\n\n{"text": "beta"}\n')
-    assert load_dataset(str(jsonl), seq_len=4, vocab_size=300, seed=0).tokens.tolist() == encode("alpha") + encode("beta")
-    jsonl.write_text('{"text": "alpha"}\n{"txt": "oops"}\n')
-    with pytest.raises(ValueError, match=r"docs.jsonl:2 needs a string \"text\" field"):
-        load_dataset(str(jsonl), seq_len=4, vocab_size=300, seed=0)
+    assert all(torch.equal(x, resumed.next_step()[0]["input_ids"]) for x in expected)
 
 
 def test_dataset_errors_name_the_problem(tmp_path):
-    with pytest.raises(FileNotFoundError, match="missing.txt"):
-        load_dataset(str(tmp_path / "missing.txt"), seq_len=8, vocab_size=300, seed=0)
     with pytest.raises(ValueError, match="vocab_size is 100"):
-        load_dataset("builtin:text", seq_len=8, vocab_size=100, seed=0)
-    small = load_dataset("builtin:text", seq_len=4096, vocab_size=BYTE_VOCAB_SIZE, seed=0)
+        benchmark_dataset("bench:bytes", seq_len=8, vocab_size=100, seed=0)
+    small = benchmark_dataset("bench:bytes", seq_len=4096, vocab_size=BYTE_VOCAB_SIZE, seed=0)
     with pytest.raises(ValueError, match="fewer than one global step"):
         ShardedBatches(small, rank=0, world_size=2, batch_size=4, grad_accum=1, seed=0)
 
@@ -285,9 +273,13 @@ def test_dataset_errors_name_the_problem(tmp_path):
     ("nonfinite_policy", "ignore", "TrainSpec.nonfinite_policy"),
     ("model", "gpt-9", "TrainSpec.model: unknown model 'gpt-9'.*tiny-llama"),
     ("model", "", "TrainSpec.model"),
-    ("dataset", "/no/such/corpus.txt", "TrainSpec.dataset: dataset file not found: '/no/such/corpus.txt'"),
-    ("dataset", "builtin:wiki", "TrainSpec.dataset: unknown built-in dataset"),
-    ("dataset", "data.csv", r"TrainSpec.dataset: 'data.csv' must be a .txt or .jsonl"),
+    ("dataset", "/no/such/corpus.txt", "TrainSpec.dataset: dataset file or folder not found: '/no/such/corpus.txt'"),
+    ("dataset", "builtin:wiki", "TrainSpec.dataset: unknown builtin dataset 'builtin:wiki'"),
+    ("dataset", "bench:wiki", "TrainSpec.dataset: unknown benchmark dataset 'bench:wiki'"),
+    ("dataset", "data.xlsx", r"TrainSpec.dataset: unsupported file extension '.xlsx'"),
+    ("data_format", "chat", r"TrainSpec.data_format: 'chat' is not one of"),
+    ("eval_every", 5, "the benchmark dataset 'bench:bytes' has no eval split"),
+    ("eval_every", -1, "TrainSpec.eval_every must be a finite value >= 0"),
     ("checkpoint_every", 5, "checkpoint_every > 0 needs TrainSpec.checkpoint_dir"),
     ("offload", True, "TrainSpec.offload applies to strategy='deepspeed'"),
 ])
@@ -301,6 +293,16 @@ def test_bad_spec_values_are_named(field, value, match):
 def test_wrong_types_are_named(field, value):
     with pytest.raises(TypeError, match=f"TrainSpec.{field} must be"):
         TrainSpec(**{**TINY, field: value}).validate()
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("eval_fraction", 1.5, r"TrainSpec.eval_fraction must be in \[0, 1\)"),
+    ("eval_every", 5, "TrainSpec.eval_every > 0 needs eval data"),
+    ("tokenizer", "builtin:gpt2", "TrainSpec.tokenizer: unknown builtin tokenizer 'builtin:gpt2'"),
+])
+def test_bad_data_values_are_named(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        TrainSpec(**{**TINY, "dataset": "builtin:chat", field: value}).validate()
 
 
 def test_incompatible_combinations():
@@ -331,7 +333,7 @@ def test_deepspeed_config_from_spec():
 def test_cli_prints_and_writes_metrics(tmp_path, capsys):
     out = tmp_path / "metrics.json"
     rc = cli.main(["--model", "tiny-mistral", "--steps", "3", "--seq-len", "16", "--batch-size", "2",
-                   "--no-kernels", "--dataset", "builtin:synthetic", "--output", str(out), "--log-level", "WARNING"])
+                   "--no-kernels", "--dataset", "bench:synthetic", "--output", str(out), "--log-level", "WARNING"])
     assert rc == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(out.read_text())
@@ -349,9 +351,7 @@ def test_cli_rejects_bad_values(capsys):
         cli.main(["--strategy"])  # argparse: missing value
 
 
-def test_builtin_text_ships_with_the_package():
-    from fuseforge_flyte.training.data import builtin_text_path
-
-    path = builtin_text_path()
+def test_byte_corpus_ships_with_the_package():
+    path = bytes_corpus_path()
     assert os.path.isfile(path) and os.path.getsize(path) > 4000
     assert "public domain" in open(path, encoding="utf-8").read(400)

@@ -51,6 +51,10 @@ def _metric_rows(m: TrainMetrics) -> List[Tuple[str, str]]:
         ("peak memory", f"{m.peak_memory_gib:.3f} {_GIB}"),
         ("step time p50 / p90 / p99", f"{m.step_time_p50_s * 1e3:.1f} / {m.step_time_p90_s * 1e3:.1f} / {m.step_time_p99_s * 1e3:.1f} ms"),
         ("final loss", f"{m.final_loss:.4f}"),
+        ("eval loss / perplexity", f"{m.eval_loss:.4f} / {m.eval_perplexity:.3f}" if m.eval_loss_curve else "no eval data"),
+        ("data wait (share of step time)", f"{m.data_wait_fraction * 100:.2f} %"),
+        ("dataset", m.dataset or "n/a"),
+        ("trained model", m.model_dir or "not saved"),
         ("steps", str(m.steps)),
         ("tokens per step (global)", f"{m.tokens_per_step:,}"),
         ("parameters", f"{m.num_params:,}"),
@@ -85,6 +89,9 @@ def training_deck_html(m: TrainMetrics) -> str:
     for ax, (curve, ylabel, title) in zip(fig.subplots(1, 3), panels):
         xs, xlabel = _steps_axis(curve, m.steps)
         ax.plot(xs, list(curve), marker="." if len(xs) <= 50 else None)
+        if title == "training loss" and m.eval_loss_curve:
+            ax.plot(list(m.eval_steps), list(m.eval_loss_curve), marker="o", label="eval")
+            ax.legend()
         ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)

@@ -23,7 +23,7 @@ import dataclasses
 import os
 import sys
 import tempfile
-from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Union
 
 from flytekit import Deck, PodTemplate, Resources, task
 from flytekit.core.context_manager import FlyteContextManager
@@ -362,6 +362,17 @@ def train_model(
             output_dir=tempfile.mkdtemp(prefix="fuseforge-model-"),
         )
     )
+
+
+@task(**summary_task_options(CONFIG))
+def sample_model(model: FlyteDirectory, prompts: List[str], max_new_tokens: int = 32) -> List[str]:
+    """Load a trained model directory with plain transformers and answer `prompts` (greedy): a smoke test
+    of what `train` returned, shown in a Deck. Uses the tokenizer's chat template when it has one."""
+    from fuseforge_flyte.sampling import generate, samples_html
+
+    answers = generate(model.download(), prompts, max_new_tokens=max_new_tokens)
+    Deck("Samples", samples_html(prompts, answers))
+    return answers
 
 
 @task(**summary_task_options(CONFIG))

@@ -9,15 +9,20 @@ On a cluster:  pyflyte run --remote workflows/train.py train --model meta-llama/
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, NamedTuple, Optional
 
 from flytekit import workflow
 
 from flytekit.core.promise import Promise
+from flytekit.types.directory import FlyteDirectory
 
 from fuseforge_flyte.comparison import Comparison
+from fuseforge_flyte.training.spec import TrainMetrics
 from fuseforge_flyte.tasks import (DEFAULTS, DataSource, TrainOutput, fingerprint_data, prepare_data,
-                                   summarize_comparison, train_model)
+                                   sample_model, summarize_comparison, train_model)
+
+# Questions in the style of builtin:chat, for the demo's trained model to answer.
+DEMO_PROMPTS = ["What is the capital of France?", "How many letters are in the word apple?", "Hi there."]
 
 
 def _prepared(dataset, model, tokenizer, data_format, dataset_config, dataset_split, seq_len, packing,
@@ -34,10 +39,10 @@ def _prepared(dataset, model, tokenizer, data_format, dataset_config, dataset_sp
 def train(
     model: str = DEFAULTS.model,
     dataset: DataSource = DEFAULTS.dataset,
-    tokenizer: str = DEFAULTS.tokenizer,
-    data_format: str = DEFAULTS.data_format,
     dataset_config: str = DEFAULTS.dataset_config,
     dataset_split: str = DEFAULTS.dataset_split,
+    data_format: str = DEFAULTS.data_format,
+    tokenizer: str = DEFAULTS.tokenizer,
     packing: bool = DEFAULTS.packing,
     eval_fraction: float = DEFAULTS.eval_fraction,
     eval_dataset: str = DEFAULTS.eval_dataset,
@@ -102,10 +107,10 @@ def train(
 def compare(
     model: str = DEFAULTS.model,
     dataset: DataSource = DEFAULTS.dataset,
-    tokenizer: str = DEFAULTS.tokenizer,
-    data_format: str = DEFAULTS.data_format,
     dataset_config: str = DEFAULTS.dataset_config,
     dataset_split: str = DEFAULTS.dataset_split,
+    data_format: str = DEFAULTS.data_format,
+    tokenizer: str = DEFAULTS.tokenizer,
     packing: bool = DEFAULTS.packing,
     steps: int = DEFAULTS.steps,
     batch_size: int = DEFAULTS.batch_size,
@@ -157,3 +162,21 @@ def compare(
     fused = train_model(kernels=True, **shared).with_overrides(name="train-with-kernels")
     baseline = train_model(kernels=False, **shared).with_overrides(name="train-without-kernels")
     return summarize_comparison(with_kernels=fused.metrics, without_kernels=baseline.metrics)
+
+
+class DemoOutput(NamedTuple):
+    metrics: TrainMetrics
+    model: FlyteDirectory
+    answers: List[str]
+
+
+@workflow
+def demo(model: str = "tiny-llama", dataset: DataSource = "builtin:chat", steps: int = 60, batch_size: int = 4,
+         seq_len: int = 128, lr: float = 3e-3, eval_fraction: float = 0.1, eval_every: int = 20,
+         kernels: bool = True, prompts: List[str] = DEMO_PROMPTS) -> DemoOutput:
+    """The README's main job: a small supervised fine-tuning (chat data, BPE tokenizer, loss on the assistant
+    turns only, packed, with eval), then the returned model loaded by plain transformers and asked questions."""
+    out = train(model=model, dataset=dataset, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
+                eval_fraction=eval_fraction, eval_every=eval_every, kernels=kernels, dtype="fp32", warmup_steps=5)
+    answers = sample_model(model=out.model, prompts=prompts)
+    return DemoOutput(metrics=out.metrics, model=out.model, answers=answers)

@@ -7,6 +7,7 @@ a bad spec before a pod is scheduled or a tokenizer is downloaded.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 
 from fuseforge_flyte.data.builtin import BUILTIN_DATASETS, BUILTIN_TOKENIZER
@@ -15,6 +16,10 @@ FORMATS = ("text", "messages", "prompt_completion")
 DATA_FORMATS = ("auto",) + FORMATS
 # file extension -> Hugging Face `datasets` builder
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text"}
+# names ending like these are files, never hub ids (so a missing one is "not found", not a hub lookup)
+_OTHER_FILE_EXTENSIONS = {".tsv", ".xml", ".arrow", ".gz", ".zip", ".tar", ".bz2", ".xz", ".zst", ".xlsx", ".md",
+                          ".yaml", ".yml", ".html", ".pickle", ".pkl", ".npy", ".pt"}
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
 def is_uri(source: str) -> bool:
@@ -29,11 +34,10 @@ def local_path(source: str) -> str:
 
 
 def looks_like_hub_id(source: str) -> bool:
-    """'org/name' or 'name' without a file extension, that is not an existing path or a URI."""
-    if is_uri(source) or os.path.exists(source) or source.startswith((".", "/", "~")):
+    """'org/name' or 'name' (dots allowed, as in 'org/Model-2.5'), not an existing path, URI or data file name."""
+    if is_uri(source) or os.path.exists(source) or not _HUB_ID.match(source):
         return False
-    parts = source.split("/")
-    return 1 <= len(parts) <= 2 and all(parts) and os.path.splitext(source)[1] == ""
+    return os.path.splitext(source)[1].lower() not in set(BUILDERS) | _OTHER_FILE_EXTENSIONS
 
 
 def check_source(source: str, field: str) -> None:

@@ -1,13 +1,12 @@
 """Which tokenizer prepares the data, and loading it from wherever it lives.
 
-A remote (fsspec) tokenizer directory is copied to a local cache first, because
+A remote (fsspec) tokenizer directory is copied to a local temporary directory first, because
 `AutoTokenizer.from_pretrained` reads local directories and hub ids only; weight files are
 skipped so that pointing at a whole model directory does not download the model.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 
@@ -18,7 +17,6 @@ from fuseforge_flyte.data.spec import is_uri, local_path, looks_like_hub_id
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model", "sentencepiece.bpe.model")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
-CACHE_ENV = "FUSEFORGE_TOKENIZER_CACHE"  # where remote tokenizer dirs are copied (default: a temp dir)
 
 
 def resolve_tokenizer_source(source: str, model: str) -> str:
@@ -40,7 +38,7 @@ def _has_tokenizer_files(directory: str) -> bool:
 
 
 def _download_dir(uri: str) -> str:
-    """Copy the non-weight files of a remote directory into a local cache dir keyed on the URI."""
+    """Copy the non-weight files of a remote directory into a new local temporary directory."""
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(uri)
@@ -52,9 +50,7 @@ def _download_dir(uri: str) -> str:
         found = sorted(os.path.basename(p) for p in names)
         raise ValueError(f"no tokenizer found at {uri!r}: the directory has no tokenizer files "
                          f"(looked for any of {list(TOKENIZER_FILES)}; found {found})")
-    cache_root = os.environ.get(CACHE_ENV) or os.path.join(tempfile.gettempdir(), "fuseforge-tokenizers")
-    local = os.path.join(cache_root, hashlib.sha256(uri.encode()).hexdigest()[:16])
-    os.makedirs(local, exist_ok=True)
+    local = tempfile.mkdtemp(prefix="fuseforge-tokenizer-")  # fresh: no stale files, no races between runs
     for remote in wanted:
         fs.get(remote, os.path.join(local, os.path.basename(remote)))
     return local

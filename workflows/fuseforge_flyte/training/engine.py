@@ -75,10 +75,11 @@ def loss_token_count(batch: Sample) -> torch.Tensor:
 
 def _build_model_for(spec: TrainSpec, data: Optional[TrainingData], device: torch.device) -> torch.nn.Module:
     """A preset's vocabulary grows to the data's tokenizer; real models must already fit (checked)."""
-    vocab_size = None
     if data is not None and spec.model in PRESETS:
         vocab_size = data.preset_vocab_size(load_config(spec.model).vocab_size)
-    model = build_model(spec.model, seed=spec.seed, device=device, vocab_size=vocab_size)
+        model = build_model(spec.model, seed=spec.seed, device=device, vocab_size=vocab_size)
+    else:
+        model = build_model(spec.model, seed=spec.seed, device=device)
     if data is not None:
         data.check_fits(model.config)
     return model

@@ -11,6 +11,7 @@ import math
 import os
 import typing
 
+from fuseforge_flyte.data.spec import DATA_FORMATS
 from fuseforge_flyte.training.data import BENCHMARK_DATASETS, resolve_benchmark
 from fuseforge_flyte.training.models import is_known_model, unknown_model_message
 
@@ -19,6 +20,7 @@ CHOICES = {
     "dtype": ("fp32", "bf16", "fp16"),
     "nonfinite_policy": ("raise", "skip"),
     "zero_stage": (1, 2, 3),
+    "data_format": DATA_FORMATS,
 }
 POSITIVE = ("steps", "batch_size", "grad_accum", "keep_last", "log_every")
 NON_NEGATIVE = ("warmup_steps", "checkpoint_every", "weight_decay", "grad_clip", "seed", "loss_chunk_size",
@@ -90,7 +92,7 @@ def _check_data(spec) -> None:
         return  # prepared with its own options, checked then
     try:
         spec.data_spec().validate()
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:  # one error type for every bad TrainSpec value
         raise ValueError(str(err).replace("DataSpec.", "TrainSpec.")) from None
     if spec.eval_every and not (spec.eval_fraction or spec.eval_dataset):
         raise ValueError("TrainSpec.eval_every > 0 needs eval data: set eval_fraction or eval_dataset")
