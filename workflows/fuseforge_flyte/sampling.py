@@ -1,0 +1,33 @@
+"""Answers from a trained model directory through plain transformers (no fuseforge): the check that
+what a run returned loads and generates as any Hugging Face model does."""
+
+from __future__ import annotations
+
+import html
+from typing import List, Sequence
+
+
+def generate(model_dir: str, prompts: Sequence[str], *, max_new_tokens: int = 32) -> List[str]:
+    """Greedy answers to each prompt, as a user turn through the chat template when there is one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    answers = []
+    for prompt in prompts:
+        if tokenizer.chat_template:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                return_dict=True, return_tensors="pt")["input_ids"]
+        else:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+        answers.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip())
+    return answers
+
+
+def samples_html(prompts: Sequence[str], answers: Sequence[str]) -> str:
+    rows = "".join(f"<tr><td>{html.escape(p)}</td><td>{html.escape(a)}</td></tr>" for p, a in zip(prompts, answers))
+    return f"<table><tr><th>prompt</th><th>answer</th></tr>{rows}</table>"
