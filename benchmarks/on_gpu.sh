@@ -27,6 +27,11 @@ for step in "$@"; do
         tests-all-kernels) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_cross_entropy.py \
             tests/test_fused_linear_cross_entropy.py tests/test_rms_norm.py tests/test_layer_norm.py tests/test_bad_inputs.py \
             tests/test_glu.py tests/test_rope.py tests/test_jsd.py tests/test_kl_div.py tests/test_transformers_patching.py ;;
+        tests-issue16) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_glu.py tests/test_jsd.py \
+            tests/test_cross_entropy.py tests/test_layer_norm.py tests/test_bad_inputs.py tests/test_data_path.py ;;
+        seed-710610153) FUSEFORGE_SEED=710610153 run_step "$step" python3 -m pytest -q -p no:cacheprovider \
+            "tests/test_layer_norm.py::test_layer_norm_matches_reference[torch.float32-(1, 1)]" ;;
+        data-path) run_step "$step" python3 benchmarks/bench_data_path.py --data .gpu/chat2048 --json "$OUT/data-path.json" ;;
         tune-norms) run_step "$step" python3 benchmarks/tune.py --op rms_norm --op layer_norm \
             --shape 4096,1024 --shape 2048,16384 --shape 16384,4096 ;;
         tune-split) run_step "$step" python3 benchmarks/tune.py --op rms_norm_split --op layer_norm_split \

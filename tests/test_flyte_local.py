@@ -139,6 +139,24 @@ def test_data_preparation_is_cached_on_the_contents(tmp_path, monkeypatch):
     assert len(calls) == 2 and third.path != first.path
 
 
+@pytest.mark.parametrize("rows,match", [
+    (['{"question": "a", "answer": "b"}'], "column"),  # no text/messages/prompt+completion column
+    ([], "no rows"),  # an empty dataset
+])
+def test_bad_data_fails_in_preparation_before_any_worker_starts(tmp_path, monkeypatch, rows, match):
+    """Bad data is named by the CPU preparation task: the elastic training task never launches workers."""
+    from fuseforge_flyte.tasks import ElasticTrainingTask
+
+    launched = []
+    monkeypatch.setattr(ElasticTrainingTask, "execute", lambda self, **kw: launched.append(kw))
+    data = tmp_path / "bad.jsonl"
+    data.write_text("\n".join(rows) + ("\n" if rows else ""))
+    start = time.time()
+    with pytest.raises(Exception, match=match):
+        train(model="tiny-llama", dataset=str(data), steps=2, seq_len=32)
+    assert not launched and time.time() - start < 60
+
+
 def test_compare_workflow_end_to_end():
     start = time.time()
     result = compare(**TINY)
