@@ -95,7 +95,7 @@ def test_registered_multi_node_task_runs_as_one_local_node(tmp_path, monkeypatch
     assert "TRITON_INTERPRET" not in os.environ and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
 
 
-def test_demo_fine_tunes_returns_the_model_and_samples_it(capsys):
+def test_demo_fine_tunes_returns_the_model_and_samples_it(capfd):
     """The README's main job: SFT on builtin:chat (BPE tokenizer, assistant-only loss, packed, eval), kernels
     on; the trained model comes back as a Hugging Face directory that plain transformers loads and runs."""
     start = time.time()
@@ -113,7 +113,7 @@ def test_demo_fine_tunes_returns_the_model_and_samples_it(capsys):
     assert {"config.json", "generation_config.json", "tokenizer.json"} <= names
     assert any(n.endswith(".safetensors") for n in names)
     assert len(out.answers) == 1 and isinstance(out.answers[0], str)
-    printed = capsys.readouterr()
+    printed = capfd.readouterr()  # the workers are processes of their own: their file descriptors
     assert "step 12/12" in printed.out + printed.err  # progress reaches the console through Flyte's workers
     decks = [d for d in decks_written_since(start) if "Training metrics" in d]
     assert decks, "no deck.html with the training metrics was written"
