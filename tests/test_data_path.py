@@ -196,6 +196,22 @@ def test_packed_rows_restart_positions_and_mask_boundaries(tmp_path, tok):
         assert keep.sum() == len(doc_labels) - sum(1 for s in starts if s < len(doc_labels))
 
 
+def test_models_that_cannot_take_packed_rows_get_padded_rows(tmp_path, monkeypatch):
+    """Where the model would attend across packed examples, each example gets its own padded row instead."""
+    import fuseforge_flyte.data.prepare as prepare_module
+    from fuseforge_flyte.data.checks import packing_unsupported_reason
+    from transformers import LlamaConfig
+
+    config = LlamaConfig()
+    assert packing_unsupported_reason(config) is None
+    config._attn_implementation = "some_kernel"
+    assert "not known to take packed-sequence masks" in packing_unsupported_reason(config)
+    monkeypatch.setattr(prepare_module, "packing_unsupported_reason", lambda config: "no packed masks here")
+    manifest = prepare(DataSpec(dataset="builtin:chat", model="tiny-llama", seq_len=128), str(tmp_path / "out"))
+    assert not manifest.packing and manifest.train_sequences == manifest.train_examples
+    assert all(int((pos == 0).sum()) <= 2 for pos in all_rows(str(tmp_path / "out"))["position_ids"])
+
+
 def _token_losses(model, ids, position_ids=None):
     logits = model(input_ids=ids[None], position_ids=None if position_ids is None else position_ids[None],
                    use_cache=False).logits[0]

@@ -54,3 +54,43 @@ def check_fits_model(manifest_or_numbers, model_config, *, preset: Optional[bool
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and "seq_len" in numbers and int(numbers["seq_len"]) > int(positions):
         raise ValueError(f"seq_len {numbers['seq_len']} is above the model's max_position_embeddings {positions}")
+
+
+# Attention implementations that honour restarting position_ids as document boundaries in transformers:
+# sdpa/eager/flex through masking_utils' packed-sequence mask, flash attention through its varlen path.
+_PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+def packing_unsupported_reason(config) -> Optional[str]:
+    """Why packed rows would leak attention across examples for this model, or None when they do not.
+
+    transformers builds a block-diagonal mask from restarting `position_ids` (attention_mask None, no
+    cache) in `masking_utils`, which a model's code reaches through `create_causal_mask` (or the sliding-
+    window variant); a model whose modeling code does not call it, or an attention implementation outside
+    those known to take the packed mask, would attend across the packed examples.
+    """
+    import importlib
+    import inspect
+
+    try:
+        from transformers import masking_utils
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError as err:  # pragma: no cover - an older transformers
+        return f"this transformers has no packed-sequence masks ({err})"
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        return "this transformers does not detect packed sequences from position_ids"
+    implementation = getattr(config, "_attn_implementation", None) or "sdpa"
+    if implementation not in _PACKING_ATTENTION:
+        return f"attention implementation {implementation!r} is not known to take packed-sequence masks"
+    model_type = getattr(config, "model_type", "")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return f"model type {model_type!r} has no causal-LM class in transformers"
+    try:
+        module = importlib.import_module(f"transformers.models.{model_type.replace('-', '_')}.modeling_"
+                                         f"{model_type.replace('-', '_')}")
+        source = inspect.getsource(module)
+    except (ImportError, OSError, TypeError) as err:
+        return f"the modeling code of {model_type!r} cannot be inspected ({type(err).__name__})"
+    if "create_causal_mask" not in source and "create_sliding_window_causal_mask" not in source:
+        return f"the modeling code of {model_type!r} does not build its mask through transformers' masking_utils"
+    return None

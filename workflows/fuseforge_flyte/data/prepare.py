@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from fuseforge_flyte.data.checks import check_fits_model, load_model_config
+from fuseforge_flyte.data.checks import check_fits_model, load_model_config, packing_unsupported_reason
 from fuseforge_flyte.data.formats import Encoder, detect_format
 from fuseforge_flyte.data.packing import best_fit_decreasing, one_per_row
 from fuseforge_flyte.data.shards import (FORMAT_VERSION, SPLITS, DataManifest, SplitStats,
@@ -79,6 +79,12 @@ def prepare(spec: DataSpec, out_dir: str) -> DataManifest:
     tokenizer_name = resolve_tokenizer_source(spec.tokenizer, spec.model)
     tokenizer = load_tokenizer(spec.tokenizer, spec.model)
     check_fits_model({"vocab_size": len(tokenizer), "max_token_id": len(tokenizer) - 1}, config, preset=preset)
+    packing = spec.packing
+    if packing:
+        reason = packing_unsupported_reason(config)
+        if reason is not None:  # pad instead: never attend across examples
+            log.warning("packing off for %s: %s; each example gets its own padded row", spec.model, reason)
+            packing = False
     if tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None:
         tokenizer.pad_token = tokenizer.eos_token  # saved with the data, so the engine/generation have one
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -121,7 +127,7 @@ def prepare(spec: DataSpec, out_dir: str) -> DataManifest:
             counts[split] = len(raw)
             truncated += int(np.count_nonzero(docs.data.column("cut").to_numpy()))
             dropped += int(np.count_nonzero(lengths == 0))
-            groups = best_fit_decreasing(lengths, spec.seq_len) if spec.packing else one_per_row(lengths)
+            groups = best_fit_decreasing(lengths, spec.seq_len) if packing else one_per_row(lengths)
             if not groups:
                 if split == "train":
                     raise ValueError(f"DataSpec.dataset: no example of {spec.dataset!r} has a token to train on "
@@ -139,7 +145,7 @@ def prepare(spec: DataSpec, out_dir: str) -> DataManifest:
 
     tr, ev = stats["train"], stats["eval"]
     manifest = DataManifest(
-        format_version=FORMAT_VERSION, data_format=data_format, seq_len=spec.seq_len, packing=spec.packing,
+        format_version=FORMAT_VERSION, data_format=data_format, seq_len=spec.seq_len, packing=packing,
         vocab_size=len(tokenizer), max_token_id=max_token_id, pad_token_id=pad_token_id, tokenizer=tokenizer_name,
         train_examples=counts["train"], train_sequences=tr.sequences, train_tokens=tr.tokens,
         train_loss_tokens=tr.loss_tokens, eval_examples=counts["eval"], eval_sequences=ev.sequences,
