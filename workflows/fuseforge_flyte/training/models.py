@@ -1,8 +1,11 @@
-"""Models to train: built-in presets, config files or Hugging Face ids, and their FLOPs for MFU.
+"""Models to train: built-in presets, config files, Hugging Face model directories/URIs or hub ids; their FLOPs.
 
 Presets are built from configs (random init, seeded, no download): tiny ones whose
 vocabulary fits the byte tokenizer, for CPU runs, and the shapes of public models
-for GPU benchmarks (weights are irrelevant to throughput and memory).
+for GPU benchmarks (weights are irrelevant to throughput and memory). A model
+directory (config.json + weights, e.g. a previous run's export) loads its weights,
+to continue training; a remote one (s3://, gs://, ...) is downloaded once into a
+local cache first, since from_pretrained reads local directories and hub ids only.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
@@ -74,9 +77,40 @@ PEAK_FLOPS = [
 PEAK_TFLOPS_ENV = "FUSEFORGE_PEAK_TFLOPS"  # override for GPUs missing from the table
 
 
+MODEL_CACHE_ENV = "FUSEFORGE_CACHE"  # root of fuseforge's local caches (default ~/.cache/fuseforge)
+# files that hold Hugging Face weights; one of them next to config.json makes a directory a pretrained model
+_WEIGHT_SUFFIX = ".safetensors"
+_BIN_PREFIX, _BIN_SUFFIX = "pytorch_model", ".bin"
+# never downloaded with a remote model: other formats that can sit in the same directory
+_OTHER_WEIGHT_SUFFIXES = (".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
+
+
+def is_uri(name: str) -> bool:
+    return "://" in name
+
+
+def _local_path(name: str) -> str:
+    """`name` as a local path: file:// stripped; '' for other URIs."""
+    if name.startswith("file://"):
+        return name[len("file://"):]
+    return "" if is_uri(name) else name
+
+
+def _known_protocol(name: str) -> bool:
+    import fsspec
+
+    protocol = name.split("://", 1)[0]
+    return protocol in fsspec.available_protocols()
+
+
 def is_known_model(name: str) -> bool:
-    """A preset, an existing config path, or something shaped like an HF id ("org/name")."""
-    return name in PRESETS or os.path.exists(name) or _looks_like_hf_id(name)
+    """A preset, an existing local path (or file:// URI), an fsspec URI, or something shaped like an HF id."""
+    if name in PRESETS:
+        return True
+    local = _local_path(name)
+    if local:
+        return os.path.exists(local) or (not is_uri(name) and _looks_like_hf_id(name))
+    return is_uri(name) and _known_protocol(name)
 
 
 def _looks_like_hf_id(name: str) -> bool:
@@ -86,40 +120,210 @@ def _looks_like_hf_id(name: str) -> bool:
 
 def unknown_model_message(name: str) -> str:
     return (f"TrainSpec.model: unknown model {name!r}: use a preset ({', '.join(sorted(PRESETS))}), "
-            f"a path to a config.json, or a Hugging Face id like 'org/name'")
+            f"a Hugging Face model directory or its fsspec URI (s3://, gs://, file://), a path to a config.json, "
+            f"or a Hugging Face id like 'org/name'")
 
 
-def load_config(name: str):
-    """The transformers config for a preset, a config.json path (or its directory) or an HF id."""
+def _is_weight_file(filename: str) -> bool:
+    return filename.endswith(_WEIGHT_SUFFIX) or (filename.startswith(_BIN_PREFIX) and filename.endswith(_BIN_SUFFIX))
+
+
+def is_pretrained_dir(path: str) -> bool:
+    """A local directory with config.json and Hugging Face weights (safetensors or pytorch_model*.bin)."""
+    return (os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+            and any(_is_weight_file(f) for f in os.listdir(path)))
+
+
+def _config_from_dict(raw: dict, where: str):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    raw = dict(raw)
+    model_type = raw.pop("model_type", None)
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"TrainSpec.model: {where} has unknown or missing model_type {model_type!r}")
+    return CONFIG_MAPPING[model_type].from_dict(raw)
+
+
+def _remote_config_uri(uri: str) -> str:
+    return uri if uri.endswith(".json") else uri.rstrip("/") + "/config.json"
+
+
+def _read_remote_json(uri: str) -> dict:
+    import fsspec
+
+    try:
+        with fsspec.open(uri, "r", encoding="utf-8") as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"TrainSpec.model: {uri} does not exist (a model directory needs a config.json)") \
+            from None
+
+
+def load_config(name: str, vocab_size: Optional[int] = None):
+    """The transformers config for a preset, a config.json path or URI (or its directory) or an HF id.
+
+    `vocab_size` sets a preset's vocabulary (a from-scratch model takes the data tokenizer's); it is
+    ignored for everything else, whose vocabulary is fixed by its config (the data layer checks the fit).
+    """
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if name in PRESETS:
         model_type, kwargs = PRESETS[name]
+        if vocab_size is not None:
+            if int(vocab_size) < 1:
+                raise ValueError(f"load_config({name!r}): vocab_size must be positive, got {vocab_size}")
+            kwargs = dict(kwargs, vocab_size=int(vocab_size))
         return CONFIG_MAPPING[model_type](**kwargs)
-    if os.path.exists(name):
-        path = os.path.join(name, "config.json") if os.path.isdir(name) else name
+    local = _local_path(name)
+    if local and os.path.exists(local):
+        path = os.path.join(local, "config.json") if os.path.isdir(local) else local
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"TrainSpec.model: {name} is a directory without a config.json")
         with open(path, encoding="utf-8") as handle:
-            raw = json.load(handle)
-        model_type = raw.pop("model_type", None)
-        if model_type not in CONFIG_MAPPING:
-            raise ValueError(f"TrainSpec.model: {path} has unknown or missing model_type {model_type!r}")
-        return CONFIG_MAPPING[model_type].from_dict(raw)
+            return _config_from_dict(json.load(handle), path)
+    if local and name.startswith("file://"):
+        raise FileNotFoundError(f"TrainSpec.model: {name} does not exist")
+    if is_uri(name):
+        uri = _remote_config_uri(name)
+        return _config_from_dict(_read_remote_json(uri), uri)
     if _looks_like_hf_id(name):
         return AutoConfig.from_pretrained(name)
     raise ValueError(unknown_model_message(name))
 
 
-def build_model(name: str, *, seed: int, device: torch.device) -> torch.nn.Module:
-    """An fp32 causal LM on `device`: random init from `seed` for presets/configs, pretrained for HF ids."""
+# ---------------------------------------------------------------- remote model directories
+
+
+def model_cache_root() -> str:
+    root = os.environ.get(MODEL_CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "fuseforge")
+    return os.path.join(root, "models")
+
+
+def _remote_listing(uri: str):
+    """(fs, root, {file name: info}) of the top-level files of a remote directory."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(uri)
+    if not fs.isdir(root):
+        raise FileNotFoundError(f"TrainSpec.model: {uri} is not a directory")
+    files = {}
+    for info in fs.ls(root, detail=True):
+        if info.get("type") == "file":
+            files[info["name"].rstrip("/").rsplit("/", 1)[-1]] = info
+    return fs, root, files
+
+
+def _wanted_files(names) -> list:
+    """What from_pretrained reads: safetensors when there are some (else .bin), config and tokenizer files."""
+    names = [n for n in names if not n.endswith(_OTHER_WEIGHT_SUFFIXES)]
+    if any(n.endswith(_WEIGHT_SUFFIX) for n in names):
+        names = [n for n in names if not (n.endswith(_BIN_SUFFIX) or n == "pytorch_model.bin.index.json")]
+    return sorted(names)
+
+
+def _identity(info: dict) -> dict:
+    """What identifies a remote file's contents without reading it (ETag, generation, size, mtime...)."""
+    keys = ("etag", "version_id", "generation", "md5hash", "crc32c", "size", "mtime", "last_modified",
+            "updated", "lastmodified", "created")
+    return {k: str(v) for k, v in sorted(info.items()) if k.lower() in keys}
+
+
+def fetch_model_dir(uri: str) -> str:
+    """A local copy of the remote model directory `uri`, downloaded once into the model cache.
+
+    The cache entry is keyed by the URI and the files' store identities (ETags, sizes, times), so
+    a directory that is written again is downloaded again. Concurrent callers (the ranks of a node)
+    take a file lock: one downloads into a temporary directory renamed into place, the others wait
+    and reuse it.
+    """
+    import fcntl
+    import hashlib
+    import shutil
+    import uuid
+
+    fs, root, files = _remote_listing(uri)
+    wanted = _wanted_files(files)
+    if "config.json" not in wanted or not any(_is_weight_file(n) for n in wanted):
+        raise FileNotFoundError(f"TrainSpec.model: {uri} holds no Hugging Face model (needs config.json and "
+                                f"*.safetensors or pytorch_model*.bin; found {sorted(files)})")
+    digest = hashlib.sha256(uri.rstrip("/").encode())
+    digest.update(json.dumps({n: _identity(files[n]) for n in wanted}, sort_keys=True).encode())
+    cache = model_cache_root()
+    os.makedirs(cache, exist_ok=True)
+    target = os.path.join(cache, digest.hexdigest()[:32])
+    with open(target + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if os.path.isdir(target):
+            return target
+        tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+        os.makedirs(tmp)
+        try:
+            for name in wanted:
+                fs.get_file(f"{root.rstrip('/')}/{name}", os.path.join(tmp, name))
+            with open(os.path.join(tmp, ".source.json"), "w", encoding="utf-8") as handle:
+                json.dump({"uri": uri, "files": wanted}, handle)
+            os.rename(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _remote_is_pretrained(uri: str) -> bool:
+    """Whether a remote path is a model directory with weights (else a config.json or a config-only dir)."""
+    if uri.endswith(".json"):
+        return False
+    _, _, files = _remote_listing(uri)
+    return any(_is_weight_file(n) for n in files)
+
+
+def _pretrained_dir(name: str) -> Optional[str]:
+    """The local directory to load pretrained weights from, or None when `name` means random init / hub id."""
+    if name in PRESETS:
+        return None
+    local = _local_path(name)
+    if local:
+        return local if is_pretrained_dir(local) else None
+    if is_uri(name) and _remote_is_pretrained(name):
+        return fetch_model_dir(name)
+    return None
+
+
+def _from_pretrained(source: str, config, seed: int, device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    config = load_config(name)
+    torch.manual_seed(seed)  # any weight the checkpoint lacks is initialised reproducibly
+    model, info = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=torch.float32,
+                                                       output_loading_info=True)
+    missing = [k for k in info.get("missing_keys", ()) if k]
+    if missing or info.get("mismatched_keys"):
+        raise ValueError(f"TrainSpec.model: {source} does not hold all the weights of "
+                         f"{type(model).__name__}: missing {sorted(missing)[:8]} ({len(missing)}), "
+                         f"mismatched {list(info.get('mismatched_keys') or [])[:8]}")
+    return model.to(device)
+
+
+def build_model(name: str, *, seed: int, device: torch.device, vocab_size: Optional[int] = None) -> torch.nn.Module:
+    """An fp32 causal LM on `device`, with `use_cache=False` (training).
+
+    Pretrained weights for an HF id, or a directory with config.json + safetensors/pytorch_model*.bin
+    (local, file:// or any fsspec URI; remote ones are downloaded once into the model cache).
+    Random init from `seed` for presets (`vocab_size` overrides theirs), a config.json, or a
+    directory holding only a config.json. `vocab_size` is ignored for everything but presets.
+    """
+    from transformers import AutoModelForCausalLM
+
+    pretrained = _pretrained_dir(name)
+    if pretrained is not None:
+        config = load_config(pretrained)
+        config.use_cache = False
+        return _from_pretrained(pretrained, config, seed, device)
+    config = load_config(name, vocab_size=vocab_size if name in PRESETS else None)
     config.use_cache = False
+    if name not in PRESETS and not is_uri(name) and not os.path.exists(name):  # an HF id
+        return _from_pretrained(name, config, seed, device)
     torch.manual_seed(seed)
-    if name not in PRESETS and not os.path.exists(name):
-        model = AutoModelForCausalLM.from_pretrained(name, config=config, dtype=torch.float32)
-        return model.to(device)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 

@@ -1,8 +1,9 @@
 """How the model is replicated or sharded over ranks: DDP, FSDP2 or DeepSpeed ZeRO.
 
 Each strategy wraps the model, owns the optimizer and LR schedule, runs one
-micro-batch forward/backward, applies the optimizer step, and saves/loads its own
-training state (see checkpoint.py for the format choice per strategy).
+micro-batch forward/backward, applies the optimizer step, saves/loads its own
+training state (see checkpoint.py for the format choice per strategy), and gathers
+the full fp32 weights under their plain transformers names for export (export.py).
 
 Precision: on GPU, DDP keeps fp32 weights and runs under autocast; FSDP2 keeps fp32
 shards and computes in bf16 through MixedPrecisionPolicy (fp32 gradient reduction);
@@ -34,6 +35,29 @@ def compute_dtype(spec: TrainSpec, device: torch.device) -> str:
 
 def _weights_only_load(path: str, device: torch.device):
     return torch.load(path, map_location=device, weights_only=True)
+
+
+# Name components that wrappers (activation checkpointing, torch.compile, FSDP1) insert; never transformers names.
+# (DDP's and DeepSpeed's "module." never appears: state dicts are taken from the unwrapped model.)
+_WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def plain_key(name: str) -> str:
+    """A state-dict key without wrapper components, i.e. the name transformers gives the tensor."""
+    return ".".join(p for p in name.split(".") if p not in _WRAPPER_PARTS)
+
+
+def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached CPU tensor (no copy when it already is one)."""
+    return tensor.detach().to("cpu")
+
+
+def _persistent_buffers(model: torch.nn.Module):
+    """(name, buffer) of the buffers that belong in a state dict (the non-persistent ones do not)."""
+    for module_name, module in model.named_modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buf
 
 
 class Strategy:
@@ -76,6 +100,14 @@ class Strategy:
         raise NotImplementedError
 
     def load(self, directory: str) -> None:
+        raise NotImplementedError
+
+    def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The whole model's weights under the plain transformers names, on the CPU, on rank 0 (None elsewhere).
+
+        Collective: every rank must call it (sharded strategies gather). On a CPU run the
+        tensors may share memory with the live model: read them, do not modify them.
+        """
         raise NotImplementedError
 
     def close(self) -> None:
@@ -168,6 +200,12 @@ class DDPStrategy(_TorchOptimized):
         if self.scaler is not None:
             self.scaler.load_state_dict(_weights_only_load(os.path.join(directory, "scaler.pt"), "cpu"))
 
+    def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        """Every rank holds the whole fp32 model: rank 0 returns its own weights, no communication."""
+        if not self.ctx.is_main:
+            return None
+        return {plain_key(k): _cpu(v) for k, v in self.inner.state_dict().items()}
+
 
 def _fsdp_api():
     try:
@@ -231,6 +269,19 @@ class FSDPStrategy(_TorchOptimized):
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(_weights_only_load(os.path.join(directory, "scheduler.pt"), "cpu"))
+
+    def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The fp32 shards all-gathered one tensor at a time and moved to rank 0's CPU (the others get nothing).
+
+        torch's get_model_state_dict already drops FSDP/checkpoint-wrapper name parts;
+        plain_key is applied again so that every strategy's keys come out the same way.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.ctx.is_main:
+            return None
+        return {plain_key(k): _cpu(v) for k, v in state.items()}
 
 
 def import_deepspeed():
@@ -343,6 +394,51 @@ class DeepSpeedStrategy(Strategy):
         )
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}/deepspeed")
+
+    def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
+        """The fp32 master weights from the ZeRO optimizer, assembled whole on rank 0's CPU.
+
+        The module's own weights are bf16/fp16 copies on GPU runs; the optimizer's fp32
+        partitions are what training updates, so those are exported (ZeRO-3's
+        16-bit consolidated state dict would round them). A parameter without a master
+        copy (frozen) is taken from the module, gathered under ZeRO-3, and upcast to
+        fp32. One parameter at a time, in the same order on every rank: each gather is a
+        collective and peak extra memory is one full parameter per rank.
+        """
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        zero3 = self.spec.zero_stage == 3
+        main = self.ctx.is_main
+        state: Dict[str, torch.Tensor] = {}
+        gathered: Dict[int, torch.Tensor] = {}  # id(param) -> tensor: a tied parameter is gathered once
+        for name, param in self.inner.named_parameters(remove_duplicate=False):
+            if id(param) not in gathered:
+                full = safe_get_full_fp32_param(param) if param.requires_grad else None
+                if full is None:
+                    full = self._module_param(param, zero3)
+                shape = tuple(getattr(param, "ds_shape", param.shape))
+                if tuple(full.shape) != shape:
+                    raise RuntimeError(f"DeepSpeed gave {name} shaped {tuple(full.shape)}, expected {shape}")
+                # only rank 0 keeps anything; a copy, as DeepSpeed may reuse its gather buffers
+                gathered[id(param)] = full.detach().to("cpu", torch.float32, copy=True) if main else None
+                del full
+            if main:
+                state[plain_key(name)] = gathered[id(param)]
+        if not main:
+            return None
+        for name, buf in _persistent_buffers(self.inner):  # never partitioned by ZeRO
+            state[plain_key(name)] = buf.detach().to("cpu", copy=True)
+        return state
+
+    @staticmethod
+    def _module_param(param: torch.nn.Parameter, zero3: bool) -> torch.Tensor:
+        """The module's copy of `param`, whole (gathered for ZeRO-3), upcast to fp32."""
+        if not zero3 or not hasattr(param, "ds_id"):
+            return param.detach().float()
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            return param.detach().float().clone()
 
     def close(self) -> None:
         """Drop the engine's hooks and DeepSpeed's cached process groups (stale once the group is destroyed)."""
