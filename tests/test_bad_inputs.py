@@ -487,7 +487,7 @@ CONFIG_CASES = [
     case("zero-batch", lambda c: _load(c, "[training]\nbatch_size = 0"), ConfigError, r"\[training\]\.batch_size must be >= 1, got 0"),
     case("unknown-strategy", lambda c: _load(c, '[training]\nstrategy = "horovod"'), ConfigError, r"\[training\]\.strategy: 'horovod' is not one of"),
     case("unknown-model", lambda c: _load(c, '[training]\nmodel = "gpt-9"'), ConfigError, r"\[training\]\.model: unknown model 'gpt-9'"),
-    case("missing-dataset", lambda c: _load(c, '[training]\ndataset = "/no/such/corpus.txt"'), ConfigError, r"\[training\]\.dataset: dataset file not found: '/no/such/corpus.txt'"),
+    case("missing-dataset", lambda c: _load(c, '[training]\ndataset = "/no/such/corpus.txt"'), ConfigError, r"\[training\]\.dataset: dataset file or folder not found: '/no/such/corpus.txt'"),
     case("bad-dtype", lambda c: _load(c, '[training]\ndtype = "fp64"'), ConfigError, r"\[training\]\.dtype: 'fp64' is not one of"),
     case("negative-loss_chunk_size", lambda c: _load(c, "[training]\nloss_chunk_size = -1"), ConfigError, r"platform\.toml: \[training\]\.loss_chunk_size must be a finite value >= 0, got -1"),
     case("env-override-loss_chunk_size-str", lambda c: _load(c, env={"FUSEFORGE__TRAINING__LOSS_CHUNK_SIZE": "big"}), ConfigError, r'environment variable FUSEFORGE__TRAINING__LOSS_CHUNK_SIZE: \[training\]\.loss_chunk_size must be an integer, got "big"'),
@@ -510,7 +510,7 @@ def test_config_loading_rejects(call, exc, match, ctx):
 
 
 # ----------------------------------------------------------------------------- training inputs
-TINY = dict(model="tiny-llama", dataset="builtin:text", batch_size=4, seq_len=32, kernels=False)
+TINY = dict(model="tiny-llama", dataset="bench:bytes", batch_size=4, seq_len=32, kernels=False)
 
 
 def _spec(**fields):
@@ -523,12 +523,20 @@ def _workflow(name, **inputs):
     return getattr(workflows, name)(**inputs)
 
 
-def _dataset(c, name, text=None, vocab_size=512):
-    from fuseforge_flyte.training.data import load_dataset
+def _prepare(c, name, text=None, model="tiny-llama", tokenizer=""):
+    """The data layer's preparation (what the Flyte prepare_data task and the engine run)."""
+    from fuseforge_flyte.data.prepare import prepare
+    from fuseforge_flyte.data.spec import DataSpec
 
     if text is not None:
         name = str(c.write(text, name))
-    return load_dataset(name, seq_len=8, vocab_size=vocab_size, seed=0)
+    return prepare(DataSpec(dataset=name, model=model, seq_len=32, tokenizer=tokenizer), str(c.tmp_path / "prepared"))
+
+
+def _small_vocab_model(c):
+    config = '{"model_type": "llama", "vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, ' \
+             '"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}'
+    return str(c.write(config, "config.json"))
 
 
 def _nan_loss(c):
@@ -554,9 +562,13 @@ TRAIN_CASES = [
     case("spec-nonfinite_policy", lambda c: _spec(nonfinite_policy="ignore"), ValueError, "TrainSpec.nonfinite_policy: 'ignore' is not one of"),
     case("spec-unknown-model", lambda c: _spec(model="gpt-9"), ValueError, "TrainSpec.model: unknown model 'gpt-9'.*tiny-llama"),
     case("spec-empty-model", lambda c: _spec(model=""), ValueError, "TrainSpec.model: unknown model ''"),
-    case("spec-missing-dataset", lambda c: _spec(dataset=str(c.tmp_path / "missing.jsonl")), ValueError, "TrainSpec.dataset: dataset file not found: .*missing.jsonl"),
-    case("spec-unknown-builtin-dataset", lambda c: _spec(dataset="builtin:wiki"), ValueError, "TrainSpec.dataset: unknown built-in dataset 'builtin:wiki'"),
-    case("spec-dataset-format", lambda c: _spec(dataset="data.csv"), ValueError, r"TrainSpec.dataset: 'data.csv' must be a .txt or .jsonl"),
+    case("spec-missing-dataset", lambda c: _spec(dataset=str(c.tmp_path / "missing.jsonl")), ValueError, "TrainSpec.dataset: dataset file or folder not found: .*missing.jsonl"),
+    case("spec-unknown-builtin-dataset", lambda c: _spec(dataset="builtin:wiki"), ValueError, "TrainSpec.dataset: unknown builtin dataset 'builtin:wiki'"),
+    case("spec-unknown-benchmark-dataset", lambda c: _spec(dataset="bench:wiki"), ValueError, "TrainSpec.dataset: unknown benchmark dataset 'bench:wiki'"),
+    case("spec-dataset-format", lambda c: _spec(dataset="data.xlsx"), ValueError, r"TrainSpec.dataset: unsupported file extension '.xlsx'"),
+    case("spec-data-format", lambda c: _spec(data_format="chat"), ValueError, r"TrainSpec.data_format: 'chat' is not one of"),
+    case("spec-eval-on-benchmark-data", lambda c: _spec(eval_fraction=0.1), ValueError, "benchmark dataset 'bench:bytes' has no eval split"),
+    case("spec-eval-every-without-eval-data", lambda c: _spec(dataset="builtin:chat", eval_every=5), ValueError, "TrainSpec.eval_every > 0 needs eval data"),
     case("spec-steps-str", lambda c: _spec(steps="10"), TypeError, "TrainSpec.steps must be int, got '10'"),
     case("spec-steps-bool", lambda c: _spec(steps=True), TypeError, "TrainSpec.steps must be int, got True"),
     case("spec-checkpoint-every-without-dir", lambda c: _spec(checkpoint_every=5), ValueError, "TrainSpec.checkpoint_every > 0 needs TrainSpec.checkpoint_dir"),
@@ -566,18 +578,18 @@ TRAIN_CASES = [
     # the Flyte workflows, run locally: rejected before any worker process starts
     case("workflow-train-negative-steps", lambda c: _workflow("train", steps=-1), ValueError, "TrainSpec.steps must be >= 1, got -1"),
     case("workflow-train-zero-batch", lambda c: _workflow("train", batch_size=0), ValueError, "TrainSpec.batch_size must be >= 1, got 0"),
-    case("workflow-train-missing-dataset", lambda c: _workflow("train", dataset="/no/such/corpus.txt"), ValueError, "TrainSpec.dataset: dataset file not found"),
+    case("workflow-train-missing-dataset", lambda c: _workflow("train", dataset="/no/such/corpus.txt"), FileNotFoundError, "DataSpec.dataset: dataset file or folder not found"),
     case("workflow-train-unknown-model", lambda c: _workflow("train", model="gpt-9"), ValueError, "TrainSpec.model: unknown model 'gpt-9'"),
     case("workflow-train-steps-str", lambda c: _workflow("train", steps="ten"), TypeError, "Failed argument 'steps'"),
     case("workflow-compare-unknown-strategy", lambda c: _workflow("compare", strategy="horovod"), ValueError, "TrainSpec.strategy: 'horovod' is not one of"),
     case("workflow-train-negative-loss_chunk_size", lambda c: _workflow("train", loss_chunk_size=-1), ValueError, "TrainSpec.loss_chunk_size must be a finite value >= 0, got -1"),
     case("workflow-compare-negative-loss_chunk_size", lambda c: _workflow("compare", loss_chunk_size=-1), ValueError, "TrainSpec.loss_chunk_size must be a finite value >= 0, got -1"),
     # datasets the spec cannot check up front (contents, vocabulary)
-    case("data-vocab-mismatch", lambda c: _dataset(c, "builtin:text", vocab_size=100), ValueError, r"TrainSpec.dataset: 'builtin:text' uses the byte tokenizer \(vocabulary \d+\) but the model's vocab_size is 100"),
-    case("data-empty-file", lambda c: _dataset(c, "empty.txt", "\n\n  \n"), ValueError, "TrainSpec.dataset: .*empty.txt' contains no text"),
-    case("data-bad-jsonl", lambda c: _dataset(c, "bad.jsonl", '{"text": "ok"}\n{"text": \n'), ValueError, r"TrainSpec.dataset: .*bad.jsonl:2 is not valid JSON"),
-    case("data-jsonl-no-text", lambda c: _dataset(c, "notext.jsonl", '{"content": "hi"}\n'), ValueError, 'TrainSpec.dataset: .*notext.jsonl:1 needs a string "text" field'),
-    case("data-missing-uri", lambda c: _dataset(c, f"file://{c.tmp_path}/gone.txt"), FileNotFoundError, "TrainSpec.dataset: dataset file not found: 'file://.*gone.txt'"),
+    case("data-vocab-mismatch", lambda c: _prepare(c, "builtin:chat", model=_small_vocab_model(c), tokenizer="builtin:tiny-bpe"), ValueError, r"the tokenizer's ids go up to 1023 \(vocabulary 1024\) but the model's vocab_size is 100"),
+    case("data-empty-file", lambda c: _prepare(c, "empty.jsonl", "\n\n"), ValueError, "DataSpec.dataset: .*empty.jsonl' has no rows"),
+    case("data-bad-jsonl", lambda c: _prepare(c, "bad.jsonl", '{"text": "ok"}\n{"text": \n'), ValueError, r"DataSpec.dataset: could not read .*bad.jsonl' as json"),
+    case("data-unknown-columns", lambda c: _prepare(c, "notext.jsonl", '{"content": "hi"}\n'), ValueError, r"DataSpec.dataset: cannot tell the format of .*notext.jsonl' from its columns \['content'\]"),
+    case("data-missing-uri", lambda c: _prepare(c, f"file://{c.tmp_path}/gone.jsonl"), FileNotFoundError, "DataSpec.dataset: dataset file or folder not found: 'file://.*gone.jsonl'"),
     # NaN loss policy "raise": the step is named
     case("nan-loss-raise", _nan_loss, FloatingPointError, "non-finite training loss at step 2 .*nonfinite_policy='raise'"),
 ]

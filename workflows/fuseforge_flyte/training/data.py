@@ -25,6 +25,8 @@ import hashlib
 import json
 import logging
 import os
+import queue
+import threading
 from dataclasses import dataclass
 from importlib import resources
 from typing import Dict, List, Optional, Sequence
@@ -326,6 +328,53 @@ class ShardedBatches:
             micro_batches.append(collate(self.dataset, [int(order[i]) if order is not None else i for i in idx]))
         self.position = DataPosition(pos.epoch, pos.index + self.samples_per_step)
         return micro_batches
+
+
+class Prefetcher:
+    """Gets the next step's micro-batches ready on a background thread while the device runs this step.
+
+    The order is ShardedBatches' own, so runs stay deterministic; `position` is that of the batches handed
+    out (not of those read ahead), which is what a checkpoint must record. On CUDA the batches are put in
+    pinned memory so that their copy to the device can run asynchronously.
+    """
+
+    def __init__(self, batches: ShardedBatches, pin_memory: bool):
+        self._batches = batches
+        self._pin = pin_memory
+        self.position = batches.position
+        self._ready: "queue.Queue" = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, name="fuseforge-prefetch", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        while not self._stop.is_set():
+            try:
+                step = self._batches.next_step()
+                if self._pin:
+                    step = [{k: v.pin_memory() for k, v in b.items()} for b in step]
+                item = (step, self._batches.position, None)
+            except BaseException as err:  # noqa: BLE001 - handed to the consumer, raised there
+                item = (None, None, err)
+            while not self._stop.is_set():
+                try:
+                    self._ready.put(item, timeout=0.1)
+                    break
+                except queue.Full:  # the consumer is still on the step before
+                    continue
+            if item[2] is not None:
+                return
+
+    def next_step(self) -> List[Sample]:
+        step, position, error = self._ready.get()
+        if error is not None:
+            raise error
+        self.position = position
+        return step
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
 
 
 def eval_batches(dataset, *, rank: int, world_size: int, batch_size: int) -> List[Optional[Sample]]:

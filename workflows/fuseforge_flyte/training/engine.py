@@ -24,8 +24,10 @@ import torch
 
 from fuseforge_flyte.console import ensure_console_logging
 from fuseforge_flyte.training import faults
-from fuseforge_flyte.training.checkpoint import CheckpointManager
-from fuseforge_flyte.training.data import (IGNORE_INDEX, DataPosition, Sample, ShardedBatches, TrainingData,
+from fuseforge_flyte.training import preemption
+from fuseforge_flyte.training.checkpoint import CheckpointManager, run_settings
+from fuseforge_flyte.training.data import (IGNORE_INDEX, DataPosition, Prefetcher, Sample, ShardedBatches,
+                                           TrainingData,
                                            benchmark_dataset, collate, eval_batches, open_training_data,
                                            resolve_benchmark)
 from fuseforge_flyte.training.distributed import DistContext
@@ -36,6 +38,10 @@ from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 from fuseforge_flyte.training.strategies import Strategy, make_strategy, strategy_class
 
 log = logging.getLogger("fuseforge.training")
+
+# Attention for packed rows on a GPU: SDPA given the block-diagonal mask falls back to a slower kernel than
+# its causal flash path, while flex attention skips the masked-out blocks (see benchmarks/RESULTS.md).
+PACKED_ATTENTION = "flex_attention"
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -82,6 +88,8 @@ def _build_model_for(spec: TrainSpec, data: Optional[TrainingData], device: torc
         model = build_model(spec.model, seed=spec.seed, device=device)
     if data is not None:
         data.check_fits(model.config)
+        if data.manifest.packing and device.type == "cuda" and model.config._attn_implementation != PACKED_ATTENTION:
+            model.set_attn_implementation(PACKED_ATTENTION)
     return model
 
 
@@ -120,8 +128,11 @@ class _Run:
         self.session_first_step = 0
         self.ckpt = None
         if spec.checkpoint_dir:
+            settings = run_settings(spec, self.data.manifest if self.data is not None else None,
+                                    samples_per_step=self.samples_per_step, dtype=self.strategy.dtype)
             self.ckpt = CheckpointManager(spec.checkpoint_dir, ctx, self.strategy, keep_last=spec.keep_last,
-                                          fingerprint=fingerprint)
+                                          fingerprint=fingerprint, model_config=model.config.to_dict(),
+                                          settings=settings, allow_changes=spec.resume_allow_changes)
 
     def _batches(self, position: DataPosition) -> ShardedBatches:
         spec, ctx = self.spec, self.ctx
@@ -146,7 +157,7 @@ class _Run:
         self.history.truncate(self.step)
         return self.ckpt.start_progress(self.step)
 
-    def _trainer_state(self, batches: ShardedBatches) -> Dict:
+    def _trainer_state(self, batches: Prefetcher) -> Dict:
         pos = batches.position
         return {"position": {"epoch": pos.epoch, "index": pos.index}, "history": self.history.to_dict(),
                 "samples_per_step": self.samples_per_step, "model": self.spec.model}
@@ -154,8 +165,14 @@ class _Run:
     # ------------------------------------------------------------ loop
 
     def train(self) -> None:
+        batches = Prefetcher(self._batches(self.position), pin_memory=self.ctx.device.type == "cuda")
+        try:
+            self._train(batches)
+        finally:
+            batches.close()
+
+    def _train(self, batches: Prefetcher) -> None:
         spec, ctx = self.spec, self.ctx
-        batches = self._batches(self.position)
         self.strategy.model.train()
         if self.step < spec.steps:
             self.history.warmup.append(self.step)
@@ -186,6 +203,11 @@ class _Run:
             if self.ckpt is not None and (self.step == spec.steps or
                                           (spec.checkpoint_every and self.step % spec.checkpoint_every == 0)):
                 self.ckpt.save(self.step, self._trainer_state(batches))
+            preemption.maybe_inject(ctx.rank, self.step, ctx.restart_count)
+            if self.step < spec.steps and preemption.agreed(ctx):  # SIGTERM on any rank: save this step, stop
+                if self.ckpt is not None and self.ckpt.last_saved_step != self.step:
+                    self.ckpt.save(self.step, self._trainer_state(batches))
+                raise preemption.Preempted(self.step, self.ckpt.path_of(self.step) if self.ckpt else None)
 
     def _one_step(self, micro_batches: List[Sample], step: int) -> Tuple[float, int]:
         """Forward/backward every micro-batch and apply the update; the step's global mean loss and loss tokens."""
@@ -331,8 +353,16 @@ def train(spec: TrainSpec) -> TrainMetrics:
         if ctx.device.type == "cpu" and spec.dtype != "fp32" and ctx.is_main:
             log.info("CPU run: training in fp32 (dtype=%r applies on GPU)", spec.dtype)
         run = _Run(spec, ctx)
-        steps_redone = run.resume()
-        run.train()
+        with preemption.sigterm_handler():  # SIGTERM: finish the step, checkpoint, raise Preempted
+            steps_redone = run.resume()
+            try:
+                run.train()
+            except preemption.Preempted as stop:
+                stop.metrics = run.metrics(steps_redone)
+                if ctx.is_main:
+                    log.warning("%s (%d steps trained, final loss %.4f)", stop, stop.metrics.steps,
+                                stop.metrics.final_loss)
+                raise
         metrics = run.metrics(steps_redone)
         if spec.output_dir:
             metrics.model_dir = run.save_model()
