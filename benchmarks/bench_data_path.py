@@ -4,8 +4,9 @@
 
 `--data` is a directory written by `fuseforge_flyte.data.prepare` (tokenized, loss-masked, packed shards
 with restarting position_ids) for `--seq`. Both runs go through `python -m fuseforge_flyte.training` with
-the kernels on (bf16 autocast, DDP strategy on one GPU); the packed run reads its batches from the Arrow
-shards and attends within each packed example only. Reports tokens/s (steady steps), the share of step
+the kernels on (bf16 autocast, DDP strategy on one GPU); the packed runs read their batches from the Arrow
+shards and attend within each packed example only: through flex attention (the engine's choice on a GPU)
+and, for comparison, through SDPA given the block-diagonal mask. Reports tokens/s (steady steps), the share of step
 time spent getting batches onto the GPU, peak memory and losses, and the ratio packed / synthetic.
 """
 
@@ -19,13 +20,18 @@ import sys
 import tempfile
 
 
-def run(dataset: str, args, extra) -> dict:
+# The engine's CLI with the attention used for packed rows chosen (engine.PACKED_ATTENTION).
+_DRIVER = ("import sys; import fuseforge_flyte.training.engine as engine; engine.PACKED_ATTENTION = sys.argv.pop(1); "
+           "from fuseforge_flyte.training.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+def run(dataset: str, args, extra, packed_attention: str = "flex_attention") -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "metrics.json")
-        cmd = [sys.executable, "-m", "fuseforge_flyte.training", "--model", args.model, "--dataset", dataset,
+        cmd = [sys.executable, "-c", _DRIVER, packed_attention, "--model", args.model, "--dataset", dataset,
                "--seq-len", str(args.seq), "--batch-size", str(args.batch), "--steps", str(args.steps),
                "--dtype", "bf16", "--log-every", "5", "--output", out, *extra]
-        print("$", " ".join(cmd), flush=True)
+        print("$", " ".join(cmd[3:]), f"(packed rows: {packed_attention})", flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         with open(out, encoding="utf-8") as handle:
             return json.load(handle)
@@ -43,6 +49,7 @@ def main() -> None:
     results = {
         "synthetic": run("bench:synthetic", args, []),
         "prepared": run(args.data, args, []),
+        "prepared (sdpa+mask)": run(args.data, args, [], packed_attention="sdpa"),
         "prepared+eval+save": run(args.data, args, ["--eval-every", str(args.steps),
                                                      "--output-dir", tempfile.mkdtemp(prefix="ff-model-")]),
     }
