@@ -135,7 +135,7 @@ def test_wrong_type_in_required_sections(tmp_path, text, expected):
 @pytest.mark.parametrize(
     "body, expected",
     [
-        ("[clustr]\ngpus = 1", 'unknown section [clustr] (known sections: image, cluster, flyte, elastic, training, checkpoint); did you mean "cluster"?'),
+        ("[clustr]\ngpus = 1", 'unknown section [clustr] (known sections: image, cluster, flyte, elastic, training, checkpoint, data); did you mean "cluster"?'),
         ("[cluster]\ngpu = 1", 'unknown key [cluster].gpu'),
         ("[cluster]\ngpu = 1", 'did you mean "gpus"?'),
         ('[[cluster.tolerations]]\nkey = "a"\nsecs = 3', "unknown key [cluster].tolerations[0].secs"),
@@ -164,6 +164,30 @@ def test_missing_required_key_names_file_and_key(tmp_path, body, key):
 def test_cross_key_check_names_both_keys(tmp_path):
     message = error_of(write(tmp_path, REQUIRED + "[cluster]\ngpus = 4\n[elastic]\nnproc_per_node = 8"))
     assert "[elastic].nproc_per_node (8) must be <= [cluster].gpus (4)" in message
+
+
+def test_workers_per_pod_follow_the_gpu_count(tmp_path):
+    """[elastic].nproc_per_node defaults to one worker per GPU, and follows an overridden GPU count."""
+    for gpus, workers in ((4, 4), (1, 1), (0, 1)):
+        config = load_config(write(tmp_path, REQUIRED + f"[cluster]\ngpus = {gpus}"), env={})
+        assert config.elastic.nproc_per_node == workers
+        assert load_config(env={RESOLVED_CONFIG_ENV: config.to_json()}) == config  # the pod sees the same number
+    # The repo's platform.toml says 8 GPUs and 8 workers, i.e. one per GPU: overriding the GPUs alone works.
+    for env in ({"FUSEFORGE__CLUSTER__GPUS": "4"}, {}):
+        config = load_config(REPO / "platform.toml", env=env)
+        assert config.elastic.nproc_per_node == config.cluster.gpus
+    assert load_config(REPO / "platform.toml", env={}, overrides={"cluster.gpus": "1"}).elastic.nproc_per_node == 1
+    # Explicit choices are kept: fewer workers than GPUs in the file, or both overridden.
+    fewer = write(tmp_path, REQUIRED + "[cluster]\ngpus = 8\n[elastic]\nnproc_per_node = 2")
+    assert load_config(fewer, env={"FUSEFORGE__CLUSTER__GPUS": "4"}).elastic.nproc_per_node == 2
+    both = {"FUSEFORGE__CLUSTER__GPUS": "4", "FUSEFORGE__ELASTIC__NPROC_PER_NODE": "2"}
+    assert load_config(REPO / "platform.toml", env=both).elastic.nproc_per_node == 2
+    # A file that sets more workers than the overridden GPU count: the message says what to do.
+    six = write(tmp_path, REQUIRED + "[cluster]\ngpus = 8\n[elastic]\nnproc_per_node = 6")
+    message = error_of(six, {"FUSEFORGE__CLUSTER__GPUS": "4"})
+    assert message.startswith(f"{six}: [elastic].nproc_per_node (6) must be <= [cluster].gpus (4)")
+    assert "[cluster].gpus comes from environment variable FUSEFORGE__CLUSTER__GPUS" in message
+    assert "[elastic].nproc_per_node must be an integer >= 0" in error_of(write(tmp_path, REQUIRED + "[elastic]\nnproc_per_node = -1"))
 
 
 def test_invalid_toml_names_file(tmp_path):

@@ -2,21 +2,34 @@
 
 from __future__ import annotations
 
+import http.server
+import json
+import os
 import re
 import shutil
+import socket
 import stat
+import subprocess
+import sys
 import textwrap
+import threading
 from pathlib import Path
 
+import click
 import pytest
 
 import fuseforge_flyte.image as image_mod
 from fuseforge_flyte.cli import main, pyflyte_command, requirements_txt
 from fuseforge_flyte.config import load_config
 from fuseforge_flyte.image import (
+    IMAGE_CHECK_ENV,
+    IMAGE_UID,
     STAGED_SOURCE_DIR,
+    UID_CHECK_COMMAND,
     FuseforgeImageBuilder,
     ImageBuildError,
+    registration_command,
+    registry_has_image,
     render_docker_context,
     training_image,
 )
@@ -52,7 +65,9 @@ def test_image_spec_follows_config(defaults):
     assert {"torch", "triton", "transformers", "deepspeed", "flytekit", "flytekitplugins-kfpytorch",
             "flytekitplugins-deck-standard"} <= names
     assert spec.copy == [STAGED_SOURCE_DIR]
-    assert spec.commands == [f"uv pip install --no-deps /root/{STAGED_SOURCE_DIR}"]
+    # The uid check first: the chart's pods run as IMAGE_UID, so the image's user must have it.
+    assert spec.commands == [UID_CHECK_COMMAND, f"uv pip install --no-deps /root/{STAGED_SOURCE_DIR}"]
+    assert f'= "{IMAGE_UID}:{IMAGE_UID}"' in UID_CHECK_COMMAND
     assert spec.apt_packages == list(image.apt_packages)
     assert spec.image_name() == f"{image.registry}/{image.name}:{spec.tag}"
 
@@ -82,7 +97,7 @@ def test_pip_requirement_instead_of_checkout(defaults):
     config = load_config(env={"FUSEFORGE__IMAGE__FUSEFORGE": "fuseforge[hf,platform]==0.1.0"})
     spec = training_image(config)
     assert spec.packages == [config.image.torch, "fuseforge[hf,platform]==0.1.0"]
-    assert not spec.copy and not spec.commands
+    assert not spec.copy and spec.commands == [UID_CHECK_COMMAND]
 
 
 def test_unknown_extra_is_a_config_error(defaults):
@@ -125,12 +140,102 @@ def test_build_without_docker_says_so(defaults, monkeypatch, tmp_path):
     assert main(["build-image", "--no-push"]) == 1
 
 
-def test_requirements_txt_is_in_sync_with_pyproject(defaults):
-    committed = (REPO / "images" / "requirements.txt").read_text()
-    assert committed == requirements_txt(defaults), (
-        "images/requirements.txt is stale: python -m fuseforge_flyte.cli requirements > images/requirements.txt"
+def requirement_lines(text: str) -> list:
+    return [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_requirements_in_is_in_sync_with_pyproject(defaults):
+    committed = requirement_lines((REPO / "images" / "requirements.in").read_text())
+    assert committed == requirement_lines(requirements_txt(defaults)), (
+        "images/requirements.in is stale: python images/lock.py (rewrites it and the lock)"
     )
-    assert defaults.image.torch not in committed.splitlines()  # the CUDA torch is installed first, separately
+    assert defaults.image.torch not in committed  # the CUDA torch is installed first, separately
+    proc = subprocess.run([sys.executable, str(REPO / "images" / "lock.py"), "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def load_lock_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fuseforge_images_lock", REPO / "images" / "lock.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_requirements_txt_is_hash_locked_and_covers_requirements_in(defaults):
+    """Every package pinned with ==, each with sha256 hashes; the direct requirements satisfied; no torch stack."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    from packaging.version import Version
+
+    lock = load_lock_script()
+    text = (REPO / "images" / "requirements.txt").read_text()
+    assert f"with {defaults.image.torch} " in text  # locked against the torch the image installs
+    pinned = {}
+    joined = re.sub(r"\\\n\s*", " ", text)
+    for line in joined.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        requirement, *options = line.split()
+        assert options and all(re.fullmatch(r"--hash=sha256:[0-9a-f]{64}", o) for o in options), line
+        name, _, version = requirement.partition("==")
+        assert version and re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name), f"not pinned with ==: {line}"
+        pinned[canonicalize_name(name)] = Version(version)
+    assert set(pinned) == set(lock.parse_lock(text))  # the lock script reads what it wrote
+    assert "torch" not in pinned and not any(n.startswith(("nvidia-", "cuda-")) for n in pinned)
+    image_env = {"python_version": defaults.image.python_version, "python_full_version": defaults.image.python_version + ".0",
+                 "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64"}
+    for line in requirement_lines((REPO / "images" / "requirements.in").read_text()):
+        req = Requirement(line)
+        if req.name == "torch" or (req.marker and not req.marker.evaluate(image_env)):
+            continue
+        name = canonicalize_name(req.name)
+        assert name in pinned, f"{req} is missing from images/requirements.txt: python images/lock.py"
+        assert req.specifier.contains(pinned[name], prereleases=True), f"{req} vs locked {pinned[name]}"
+
+
+def test_lock_script_leaves_out_only_what_torch_alone_needs():
+    lock = load_lock_script()
+    text = textwrap.dedent("""\
+        fsspec==1 \\
+            --hash=sha256:aa
+            # via
+            #   torch
+            #   flytekit
+        flytekit==2 \\
+            --hash=sha256:bb
+            # via -r requirements.in
+        nvidia-cublas==3 \\
+            --hash=sha256:cc
+            # via cuda-toolkit
+        cuda-toolkit==4 \\
+            --hash=sha256:dd
+            # via torch
+        torch==2.11.0 \\
+            --hash=sha256:ee
+            # via -r requirements.in
+        triton==3.6.0 \\
+            --hash=sha256:ff
+            # via torch, -r requirements.in
+        """)
+    blocks = lock.parse_lock(text)
+    assert blocks["fsspec"]["via"] == {"torch", "flytekit"}
+    assert sorted(lock.drop_torch_stack(blocks)) == ["flytekit", "fsspec", "triton"]
+
+
+def test_dockerfile_installs_only_hash_checked_packages_besides_torch(defaults):
+    text = (REPO / "images" / "Dockerfile").read_text()
+    assert "unsafe-best-match" not in text  # no index may shadow another's packages
+    installs = [m.group(0) for m in re.finditer(r"uv pip install[^\n&]*", text)]
+    torch_install, locked, source = installs
+    assert "--extra-index-url ${TORCH_INDEX_URL}" in torch_install and '"${TORCH}"' in torch_install
+    assert "--index-strategy" not in torch_install
+    assert "--require-hashes" in locked and "--no-deps" in locked and "--requirement /tmp/requirements.txt" in locked
+    assert "COPY images/requirements.txt /tmp/requirements.txt" in text
+    assert "--no-deps /opt/fuseforge-src" in source
+    # The image's user has the uid the chart's pods run as, and the image says so numerically.
+    assert f"useradd --uid {IMAGE_UID} " in text and re.search(rf"^USER {IMAGE_UID}:{IMAGE_UID}$", text, flags=re.M)
 
 
 def test_dockerfile_matches_config_defaults_and_context(defaults):
@@ -169,3 +274,179 @@ def test_remote_run_command_uses_flyte_settings(defaults):
     assert command[5:9] == ["-p", defaults.flyte.project, "-d", defaults.flyte.domain]
     assert command[-4:] == [str(REPO / "workflows" / "compare.py"), "compare", "--steps", "5"]
     assert pyflyte_command(defaults, "train", remote=False, extra=[])[2:] == [str(REPO / "workflows" / "train.py"), "train"]
+
+
+# ----------------------------------------------------------------------------------------- the registry check
+
+
+class FakeRegistry(http.server.BaseHTTPRequestHandler):
+    """A Docker Registry v2 that wants an anonymous bearer token, like ghcr.io or Docker Hub."""
+
+    tags: set = set()
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def do_GET(self):
+        if self.path.startswith("/token?"):
+            body = json.dumps({"token": "anon"}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        else:
+            self.send_response(404)
+            self.end_headers()
+
+    def do_HEAD(self):
+        match = re.fullmatch(r"/v2/(.+)/manifests/(.+)", self.path)
+        if not match:
+            self.send_response(404)
+        elif self.headers.get("Authorization") != "Bearer anon":
+            self.send_response(401)
+            host = self.headers["Host"]
+            self.send_header(
+                "WWW-Authenticate",
+                f'Bearer realm="http://{host}/token",service="{host}",scope="repository:{match[1]}:pull"',
+            )
+        else:
+            self.send_response(200 if f"{match[1]}:{match[2]}" in self.tags else 404)
+        self.end_headers()
+
+
+@pytest.fixture
+def registry():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeRegistry)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    FakeRegistry.tags = set()
+    yield f"localhost:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.fixture
+def closed_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # nothing listens there once closed: connection refused
+
+
+def spec_for(tmp_path, registry_host: str, tag: str = ""):
+    config = load_config(env={"FUSEFORGE__IMAGE__REGISTRY": registry_host, "FUSEFORGE__IMAGE__TAG": tag})
+    return training_image(config)
+
+
+@pytest.fixture
+def registering(monkeypatch, tmp_path):
+    """As under `pyflyte run --remote`, on a machine without Docker."""
+    monkeypatch.setattr(image_mod, "registration_command", lambda: "pyflyte run --remote")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no docker
+    monkeypatch.delenv(IMAGE_CHECK_ENV, raising=False)
+
+
+def test_registry_check_answers_yes_no_or_unknown(registry, closed_port):
+    FakeRegistry.tags = {"fuseforge:pushed"}
+    assert registry_has_image(f"{registry}/fuseforge:pushed") is True  # through the anonymous token
+    assert registry_has_image(f"{registry}/fuseforge:never") is False
+    assert registry_has_image(f"localhost:{closed_port}/fuseforge:any", timeout=2) is None
+
+
+def test_registration_refuses_a_content_hash_image_it_cannot_find(registering, registry, closed_port, tmp_path):
+    spec = spec_for(tmp_path, f"localhost:{closed_port}")  # tag "" = hash of the sources; registry unreachable
+    builder = FuseforgeImageBuilder()
+    with pytest.raises(ImageBuildError) as info:
+        builder.should_build(spec)
+    message = str(info.value)
+    assert message.startswith("pyflyte run --remote: cannot tell whether the registry has")
+    assert "ImagePullBackOff" in message and "python images/build.py" in message and "[image].tag" in message
+    assert f"{IMAGE_CHECK_ENV}=off" in message
+
+    # The registry says it is missing: flytekit would build it, and without Docker that fails naming the fixes.
+    missing = spec_for(tmp_path, registry)
+    assert builder.should_build(missing) is True
+    with pytest.raises(ImageBuildError, match=r"needs Docker.*python images/build.py.*hash of your sources"):
+        builder.build(missing)
+    # It is there: nothing to do.
+    FakeRegistry.tags = {f"fuseforge:{missing.tag}"}
+    assert builder.should_build(missing) is False
+
+
+def test_registration_trusts_a_fixed_tag_or_the_opt_out(registering, closed_port, tmp_path, monkeypatch):
+    builder = FuseforgeImageBuilder()
+    assert builder.should_build(spec_for(tmp_path, f"localhost:{closed_port}", tag="v1.2.3")) is False
+    monkeypatch.setenv(IMAGE_CHECK_ENV, "off")
+    assert builder.should_build(spec_for(tmp_path, f"localhost:{closed_port}")) is False
+
+
+def test_no_check_outside_registration(closed_port, tmp_path, monkeypatch):
+    """Local runs and the offline `pyflyte package` keep flytekit's behaviour (assume the image exists)."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert registration_command() is None
+    assert FuseforgeImageBuilder().should_build(spec_for(tmp_path, f"localhost:{closed_port}")) is False
+
+
+def test_registration_is_recognised_from_the_pyflyte_command():
+    class RunParams:
+        is_remote = True
+
+    root = click.Context(click.Group("pyflyte"), info_name="pyflyte")
+    with click.Context(click.Command("register"), parent=root, info_name="register"):
+        assert registration_command() == "pyflyte register"
+    with click.Context(click.Command("package"), parent=root, info_name="package"):
+        assert registration_command() is None
+    run = click.Context(click.Group("run"), parent=root, info_name="run", obj=RunParams())
+    with click.Context(click.Command("train"), parent=run, info_name="train"):
+        assert registration_command() == "pyflyte run --remote"
+    RunParams.is_remote = False
+    with click.Context(click.Command("train"), parent=run, info_name="train"):
+        assert registration_command() is None
+
+
+# ----------------------------------------------------------------------------------------- scripts/setup_env.sh
+
+
+def run_setup_env(tmp_path: Path, extra_path: str = "", **env_extra: str) -> list:
+    """scripts/setup_env.sh against a fake virtualenv whose python records each pip call."""
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    log = tmp_path / "pip.log"
+    log.write_text("")
+    fake = venv / "bin" / "python"
+    fake.write_text(f'#!/bin/sh\nif [ "$1" = "-c" ]; then exit 1; fi\necho "$@" >> {log}\n')
+    fake.chmod(0o755)
+    env = {"PATH": f"{extra_path}:/usr/bin:/bin", "HOME": str(tmp_path), "FUSEFORGE_VENV": str(venv), **env_extra}
+    proc = subprocess.run(["bash", str(REPO / "scripts" / "setup_env.sh")], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(venv)
+    return [line.split() for line in log.read_text().splitlines()]
+
+
+def torch_install(calls: list) -> list:
+    (call,) = [c for c in calls if any(a.startswith("torch") for a in c)]
+    return call
+
+
+def no_gpu_here() -> bool:
+    return shutil.which("nvidia-smi", path="/usr/bin:/bin") is None and not list(Path("/dev").glob("nvidia[0-9]*"))
+
+
+@pytest.mark.skipif(not no_gpu_here(), reason="this machine has an NVIDIA GPU")
+def test_setup_env_takes_cpu_torch_without_a_gpu(tmp_path):
+    call = torch_install(run_setup_env(tmp_path))
+    # An extra index, so that pip's own index (or a configured wheelhouse) still serves everything else.
+    assert call[-3:] == ["--extra-index-url", "https://download.pytorch.org/whl/cpu", "torch==2.13.0"]
+    assert "--index-url" not in call
+    # FUSEFORGE_TORCH still picks the build; FUSEFORGE_TORCH_INDEX the index ("" = none).
+    call = torch_install(run_setup_env(tmp_path, FUSEFORGE_TORCH="torch==2.12.0"))
+    assert call[-3:] == ["--extra-index-url", "https://download.pytorch.org/whl/cpu", "torch==2.12.0"]
+    call = torch_install(run_setup_env(tmp_path, FUSEFORGE_TORCH_INDEX=""))
+    assert "--extra-index-url" not in call and call[-1] == "torch==2.13.0"
+
+
+def test_setup_env_takes_the_default_torch_with_a_gpu(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    call = torch_install(run_setup_env(tmp_path, extra_path=str(bin_dir), FUSEFORGE_TORCH="torch==2.11.0"))
+    assert "--extra-index-url" not in call and call[-1] == "torch==2.11.0"

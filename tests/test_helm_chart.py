@@ -135,10 +135,16 @@ class Rendered:
     def of_kind(self, kind: str) -> List[dict]:
         return [doc for doc in self.docs if doc["kind"] == kind]
 
-    def one(self, kind: str, namespace: str) -> dict:
-        found = [doc for doc in self.of_kind(kind) if doc["metadata"].get("namespace") == namespace]
-        assert len(found) == 1, f"expected one {kind} in {namespace}, found {len(found)}"
+    def one(self, kind: str, namespace: str, name: str | None = None) -> dict:
+        found = [
+            doc for doc in self.of_kind(kind)
+            if doc["metadata"].get("namespace") == namespace and name in (None, doc["metadata"]["name"])
+        ]
+        assert len(found) == 1, f"expected one {kind} {name or ''} in {namespace}, found {len(found)}"
         return found[0]
+
+    def gpu_template(self, namespace: str) -> dict:
+        return self.one("PodTemplate", namespace, self.values["gpuPodTemplate"]["name"])
 
     @property
     def task_namespaces(self) -> List[str]:
@@ -165,14 +171,17 @@ def platform_toml(configmap: dict) -> dict:
 
 
 def primary_container(pod_template: dict) -> dict:
-    (container,) = pod_template["template"]["spec"]["containers"]
-    assert container["name"] == "primary"  # Flyte applies "primary" to the task's main container only
-    return container
+    # Flyte applies "primary" to the task's main container only, "default" to every container.
+    containers = {c["name"]: c for c in pod_template["template"]["spec"]["containers"]}
+    assert set(containers) == {"default", "primary"}
+    assert "resources" not in containers["default"]  # GPUs for the main container only
+    return containers["primary"]
 
 
 def image_of(values: dict) -> str:
-    image = f"{values['image']['registry']}/{values['image']['name']}"
-    return f"{image}:{values['image']['tag']}" if values["image"]["tag"] else image
+    # Flyte replaces the templates' image with the task's; without a fixed tag it is a placeholder,
+    # never the implicit :latest.
+    return f"{values['image']['registry']}/{values['image']['name']}:{values['image']['tag'] or 'set-by-flyte-task'}"
 
 
 def toml_tolerations(tolerations: Sequence[dict]) -> List[dict]:
@@ -221,20 +230,25 @@ def test_every_manifest_matches_the_kubernetes_schema(rendered, k8s_version):
 
 
 def test_every_task_namespace_gets_the_platform_resources(rendered):
+    # No Role or RoleBinding: training needs no Kubernetes API access (see the RBAC tests).
     assert {doc["kind"] for doc in rendered.docs} == {
-        "Namespace", "ServiceAccount", "Role", "RoleBinding", "PodTemplate", "ConfigMap"
+        "Namespace", "ServiceAccount", "PodTemplate", "ConfigMap", "NetworkPolicy"
     }
     namespaces = rendered.of_kind("Namespace")
     assert [ns["metadata"]["name"] for ns in namespaces] == rendered.task_namespaces
     for ns in namespaces:  # uninstalling must not delete running jobs and their results
         assert ns["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    base = rendered.values["basePodTemplate"]["name"]
     for ns in rendered.task_namespaces:
-        for kind in ("ServiceAccount", "Role", "RoleBinding", "PodTemplate", "ConfigMap"):
+        for kind in ("ServiceAccount", "ConfigMap", "NetworkPolicy"):
             rendered.one(kind, ns)
-    # The fallback copies Flyte consults for namespaces the chart does not manage.
-    rendered.one("PodTemplate", rendered.flyte_namespace)
+        rendered.gpu_template(ns)
+        rendered.one("PodTemplate", ns, base)
+    # The fallback copies Flyte consults for namespaces the chart does not manage (no base template:
+    # other projects' pods must not change).
+    rendered.gpu_template(rendered.flyte_namespace)
     rendered.one("ConfigMap", rendered.flyte_namespace)
-    assert len(rendered.of_kind("PodTemplate")) == len(rendered.task_namespaces) + 1
+    assert len(rendered.of_kind("PodTemplate")) == 2 * len(rendered.task_namespaces) + 1
 
 
 # ----------------------------------------------------------------------------------------- GPU PodTemplate
@@ -245,8 +259,7 @@ def test_gpu_pod_template_carries_gpus_placement_and_shm(rendered):
     cfg = rendered.values["platformConfig"]
     gpus = tpl["gpus"]
     for namespace in [*rendered.task_namespaces, rendered.flyte_namespace]:
-        template = rendered.one("PodTemplate", namespace)
-        assert template["metadata"]["name"] == tpl["name"]
+        template = rendered.gpu_template(namespace)
         spec = template["template"]["spec"]
         container = primary_container(template)
         assert container["image"] == image_of(rendered.values)
@@ -292,7 +305,7 @@ def test_gpu_count_and_shm_size_come_from_values(helm, umbrella, gpus, shm):
         "--set", f"platform.gpuPodTemplate.gpus={gpus}",
         "--set", f"platform.gpuPodTemplate.shmSize={shm}",
     )
-    templates = [d for d in docs if d["kind"] == "PodTemplate"]
+    templates = [d for d in docs if d["kind"] == "PodTemplate" and d["metadata"]["name"] == "fuseforge-gpu"]
     assert templates
     for template in templates:
         container = primary_container(template)
@@ -303,43 +316,245 @@ def test_gpu_count_and_shm_size_come_from_values(helm, umbrella, gpus, shm):
             assert "resources" not in container
         (shm_volume,) = [v for v in template["template"]["spec"]["volumes"] if "emptyDir" in v]
         assert shm_volume["emptyDir"]["sizeLimit"] == shm
+    from fuseforge_flyte.config import config_from_dict
+
     for configmap in (d for d in docs if d["kind"] == "ConfigMap"):
         config = platform_toml(configmap)
         assert config["cluster"]["gpus"] == gpus
-        if gpus:
-            assert config["elastic"]["nproc_per_node"] == gpus  # one worker process per GPU
-        else:
-            assert "elastic" not in config
+        assert "elastic" not in config  # workers per pod follow [cluster].gpus in fuseforge_flyte.config
+        assert config_from_dict(config, "ConfigMap").elastic.nproc_per_node == max(gpus, 1)  # one per GPU
 
 
 # ----------------------------------------------------------------------------------------- RBAC
 
 
-def test_training_rbac_is_namespaced_and_read_only(rendered):
-    assert not rendered.of_kind("ClusterRole") and not rendered.of_kind("ClusterRoleBinding")
+def test_training_pods_get_no_api_token_and_no_role(rendered):
+    """Training reads platform.toml from a mounted ConfigMap: no token, no Role, no ClusterRole."""
+    for kind in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"):
+        assert not rendered.of_kind(kind), kind
     sa_name = rendered.values["training"]["serviceAccount"]["name"]
+    for namespace in rendered.task_namespaces:
+        account = rendered.one("ServiceAccount", namespace)
+        assert account["metadata"]["name"] == sa_name
+        assert account["metadata"].get("annotations", {}) == rendered.values["training"]["serviceAccount"]["annotations"]
+        assert account["automountServiceAccountToken"] is False
+    for template in rendered.of_kind("PodTemplate"):  # also pods whose ServiceAccount mounts one
+        assert template["template"]["spec"]["automountServiceAccountToken"] is False
+
+
+def test_training_rbac_opt_in_is_namespaced_and_read_only(helm, umbrella, tmp_path):
+    extra = [{"apiGroups": ["kubeflow.org"], "resources": ["pytorchjobs"], "verbs": ["get", "list"]}]
+    training = {"serviceAccount": {"name": "trainer", "automountToken": True}, "rbac": {"create": True, "extraRules": extra}}
+    values = _write_values(tmp_path, {"platform": {"training": training}})
+    docs = helm.render(umbrella, "-f", str(values))
+    rendered = Rendered("rbac", _merge(platform_values(), {"training": training}), docs)
+    assert not rendered.of_kind("ClusterRole") and not rendered.of_kind("ClusterRoleBinding")
     configmap_name = rendered.values["platformConfig"]["configMapName"]
     for namespace in rendered.task_namespaces:
         role = rendered.one("Role", namespace)
-        assert role["metadata"]["name"] == sa_name
+        assert role["metadata"]["name"] == "trainer"
         for rule in role["rules"]:
             assert set(rule["verbs"]) <= READ_ONLY_VERBS, rule
             for field in ("apiGroups", "resources", "verbs", "resourceNames"):
                 assert not any("*" in item for item in rule.get(field, [])), rule
             assert "secrets" not in rule["resources"], rule
-        configmap_rules = [r for r in role["rules"] if "configmaps" in r["resources"]]
-        assert configmap_rules == [
-            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [configmap_name], "verbs": ["get"]}
+        assert role["rules"] == [
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [configmap_name], "verbs": ["get"]},
+            *extra,
         ]
-        assert role["rules"][1:] == rendered.values["training"]["rbac"]["extraRules"]
-
         binding = rendered.one("RoleBinding", namespace)
-        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": sa_name}
-        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa_name, "namespace": namespace}]
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "trainer"}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "trainer", "namespace": namespace}]
+        assert rendered.one("ServiceAccount", namespace)["automountServiceAccountToken"] is True
+        assert rendered.gpu_template(namespace)["template"]["spec"]["automountServiceAccountToken"] is True
+    # The fallback template in the Flyte namespace never mounts a token.
+    assert rendered.gpu_template(rendered.flyte_namespace)["template"]["spec"]["automountServiceAccountToken"] is False
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSIONS[0], strict=True)
 
-        account = rendered.one("ServiceAccount", namespace)
-        assert account["metadata"]["name"] == sa_name
-        assert account["metadata"].get("annotations", {}) == rendered.values["training"]["serviceAccount"]["annotations"]
+    # A Role without a token is of no use: refused, naming the value to set.
+    no_token = _write_values(tmp_path, {"platform": {"training": {"rbac": {"create": True}}}})
+    proc = helm.template(umbrella, "-f", str(no_token))
+    assert proc.returncode != 0
+    assert "training.rbac.create needs training.serviceAccount.automountToken: true" in proc.stderr
+
+
+# ----------------------------------------------------------------------------------------- pod security
+
+# What the "restricted" Pod Security Standard allows (https://kubernetes.io/docs/concepts/security/pod-security-standards/).
+RESTRICTED_VOLUME_TYPES = {
+    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret",
+}
+
+
+def restricted_violations(pod_spec: dict) -> List[str]:
+    """The rules of the restricted Pod Security level (v1.25+) a pod spec breaks, as messages."""
+    problems = []
+    pod_ctx = pod_spec.get("securityContext", {})
+    for flag in ("hostNetwork", "hostPID", "hostIPC"):
+        if pod_spec.get(flag):
+            problems.append(f"{flag} is set")
+    for volume in pod_spec.get("volumes", []):
+        kinds = set(volume) - {"name"}
+        if not kinds <= RESTRICTED_VOLUME_TYPES:
+            problems.append(f"volume {volume['name']} is of type {sorted(kinds)}")
+    containers = pod_spec.get("containers", []) + pod_spec.get("initContainers", [])
+    if not containers:
+        problems.append("no containers")
+    for container in containers:
+        ctx = container.get("securityContext", {})
+        name = container["name"]
+        if ctx.get("privileged"):
+            problems.append(f"{name}: privileged")
+        if ctx.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{name}: allowPrivilegeEscalation is not false")
+        if "ALL" not in ctx.get("capabilities", {}).get("drop", []):
+            problems.append(f"{name}: capabilities do not drop ALL")
+        if set(ctx.get("capabilities", {}).get("add", [])) - {"NET_BIND_SERVICE"}:
+            problems.append(f"{name}: adds capabilities")
+        if not (ctx.get("runAsNonRoot", pod_ctx.get("runAsNonRoot")) is True):
+            problems.append(f"{name}: runAsNonRoot is not true")
+        if ctx.get("runAsUser", pod_ctx.get("runAsUser")) == 0:
+            problems.append(f"{name}: runs as uid 0")
+        seccomp = ctx.get("seccompProfile", pod_ctx.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            problems.append(f"{name}: seccompProfile is {seccomp!r}, not RuntimeDefault/Localhost")
+        for port in container.get("ports", []):
+            if port.get("hostPort"):
+                problems.append(f"{name}: hostPort")
+    return problems
+
+
+def test_restricted_check_catches_what_it_should():
+    assert len(restricted_violations({"containers": [{"name": "c"}], "hostNetwork": True})) == 5
+
+
+def test_task_pods_pass_the_restricted_pod_security_level(rendered):
+    assert rendered.of_kind("PodTemplate")
+    for template in rendered.of_kind("PodTemplate"):
+        spec = template["template"]["spec"]
+        where = f"PodTemplate {template['metadata']['namespace']}/{template['metadata']['name']}"
+        assert restricted_violations(spec) == [], where
+        # The image's user is named ("flytekit"): Kubernetes can only enforce runAsNonRoot on a numeric uid.
+        assert spec["securityContext"]["runAsUser"] == rendered.values["podSecurityContext"]["runAsUser"] > 0
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in spec["containers"]:
+            assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    for namespace in rendered.of_kind("Namespace"):
+        labels = namespace["metadata"]["labels"]
+        for mode in ("enforce", "warn", "audit"):
+            assert labels[f"pod-security.kubernetes.io/{mode}"] == "restricted", mode
+
+
+def test_image_user_matches_the_pod_security_context():
+    """The uid the pods run as is the uid images/Dockerfile and the ImageSpec give the user flytekit."""
+    from fuseforge_flyte.image import IMAGE_UID
+
+    values = platform_values()
+    assert values["podSecurityContext"]["runAsUser"] == values["podSecurityContext"]["runAsGroup"] == IMAGE_UID
+    dockerfile = (ROOT / "images" / "Dockerfile").read_text()
+    assert f"--uid {IMAGE_UID}" in dockerfile and f"USER {IMAGE_UID}" in dockerfile
+
+
+def test_pod_security_level_and_labels_come_from_values(helm, umbrella, tmp_path):
+    values = _write_values(tmp_path, {"platform": {"namespaces": {
+        "podSecurity": {"enforce": "baseline", "warn": "restricted", "version": "v1.32"},
+        "labels": {"team": "ml"},
+    }}})
+    docs = helm.render(umbrella, "-f", str(values))
+    for namespace in (d for d in docs if d["kind"] == "Namespace"):
+        labels = namespace["metadata"]["labels"]
+        assert labels["pod-security.kubernetes.io/enforce"] == "baseline"
+        assert labels["pod-security.kubernetes.io/enforce-version"] == "v1.32"
+        assert labels["pod-security.kubernetes.io/warn"] == "restricted"
+        assert labels["team"] == "ml"
+
+
+def test_flyte_deployment_runs_without_privileges():
+    """flyte-binary's pod and init containers get the restricted security context and pinned images."""
+    flyte = yaml.safe_load((CHART / "values.yaml").read_text())["flyte-binary"]
+    deployment = flyte["deployment"]
+    pod = {k: v for k, v in deployment["podSecurityContext"].items() if k != "enabled"}
+    assert deployment["podSecurityContext"]["enabled"] is True  # flyte-binary renders it only then
+    containers = [
+        {"name": "flyte", "securityContext": deployment["securityContext"]},
+        {"name": "wait-for-db", "securityContext": deployment["waitForDB"]["securityContext"]},
+        {"name": "gen-admin-auth-secret", "securityContext": deployment["genAdminAuthSecret"]["securityContext"]},
+    ]
+    assert restricted_violations({"securityContext": pod, "containers": containers}) == []
+    assert pod["runAsUser"] > 0
+
+
+# ----------------------------------------------------------------------------------------- images
+
+
+IMAGE_TAG = re.compile(r"^[^@]+:(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]*)$")
+
+
+def images_in(docs: Sequence[dict]) -> List[str]:
+    found = []
+    for doc in docs:
+        spec = doc.get("template", {}).get("spec") or doc.get("spec", {}).get("template", {}).get("spec") or {}
+        for container in spec.get("containers", []) + spec.get("initContainers", []):
+            found.append(container["image"])
+    return found
+
+
+@pytest.mark.parametrize("tag", ["", "v1.2.3"])
+def test_rendered_images_always_carry_a_pinned_tag(helm, umbrella, tag):
+    docs = helm.render(umbrella, "--set-string", f"platform.image.tag={tag}")
+    images = images_in(docs)
+    assert images
+    for image in images:
+        match = IMAGE_TAG.match(image.rsplit("/", 1)[-1] if "/" in image else image)
+        assert match, f"{image} has no tag (that is :latest)"
+        assert match["tag"] != "latest", image
+        assert match["tag"] == (tag or "set-by-flyte-task"), image
+
+
+def test_flyte_images_are_pinned_to_the_locked_chart():
+    flyte = yaml.safe_load((CHART / "values.yaml").read_text())["flyte-binary"]
+    lock = yaml.safe_load((CHART / "Chart.lock").read_text())
+    (locked,) = [d["version"] for d in lock["dependencies"] if d["name"] == "flyte-binary"]
+    assert flyte["deployment"]["image"]["tag"] == locked  # flyte-binary's own default is "latest"
+    postgres = flyte["deployment"]["waitForDB"]["image"]
+    assert postgres["repository"] == "postgres"
+    assert re.fullmatch(r"\d+\.\d+(-alpine[\d.]*)?", postgres["tag"]), postgres  # a minor release, not "15-alpine"
+
+
+# ----------------------------------------------------------------------------------------- network
+
+
+def test_flyte_admin_is_reachable_only_from_its_namespace_and_the_ingress(helm, umbrella, tmp_path):
+    docs = helm.render(umbrella)  # flyte-binary.enabled (its manifests are not rendered offline)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["namespace"] == FLYTE_NAMESPACE]
+    kubernetes_validate.validate(policy, K8S_VERSIONS[0], strict=True)
+    spec = policy["spec"]
+    # flyte-binary's pod selector labels (name, instance, component).
+    assert spec["podSelector"] == {"matchLabels": {
+        "app.kubernetes.io/name": "flyte-binary", "app.kubernetes.io/instance": RELEASE,
+        "app.kubernetes.io/component": "flyte-binary",
+    }}
+    assert spec["policyTypes"] == ["Ingress"]
+    api, webhook = spec["ingress"]
+    assert {p["port"] for p in api["ports"]} == {8088, 8089}
+    assert api["from"] == [{"podSelector": {}}, *values["networkPolicy"]["adminFrom"]]  # own namespace + ingress
+    assert "from" not in webhook and [p["port"] for p in webhook["ports"]] == [9443]  # the API server calls it
+
+    off = helm.render(umbrella, "--set", "networkPolicy.enabled=false")
+    assert not [d for d in off if d["kind"] == "NetworkPolicy" and d["metadata"]["namespace"] == FLYTE_NAMESPACE]
+    without_flyte = helm.render(umbrella, "--set", "flyte-binary.enabled=false")
+    assert not [d for d in without_flyte if d["kind"] == "NetworkPolicy" and d["metadata"]["namespace"] == FLYTE_NAMESPACE]
+
+
+def test_task_pods_accept_connections_only_from_their_namespace(rendered):
+    for namespace in rendered.task_namespaces:
+        policy = rendered.one("NetworkPolicy", namespace)
+        assert policy["spec"]["podSelector"] == {}  # every pod of the namespace
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {}}]}]
+    assert not [d for d in rendered.of_kind("NetworkPolicy") if d["metadata"]["namespace"] == rendered.flyte_namespace]
 
 
 # ----------------------------------------------------------------------------------------- platform.toml
@@ -366,7 +581,8 @@ def test_platform_toml_describes_this_cluster(rendered):
             else (values["projects"][0], values["domains"][0])
         )
         assert config["flyte"] == {"project": project, "domain": domain}
-        assert config["elastic"] == {"nproc_per_node": tpl["gpus"], **settings.get("elastic", {})}
+        # Workers per pod are left to fuseforge_flyte.config (one per GPU) unless settings give them.
+        assert config.get("elastic", {}) == settings.get("elastic", {})
         for table in ("training", "checkpoint"):
             assert config.get(table, {}) == settings.get(table, {})
 
@@ -378,6 +594,8 @@ def test_platform_toml_loads_with_fuseforge_flyte_config(rendered):
         source = f"ConfigMap {configmap['metadata']['namespace']}/{configmap['metadata']['name']}"
         config = config_from_dict(platform_toml(configmap), source)
         assert config.cluster.gpus == rendered.values["gpuPodTemplate"]["gpus"]
+        settings = rendered.values["platformConfig"]["settings"]
+        assert config.elastic.nproc_per_node == settings.get("elastic", {}).get("nproc_per_node", config.cluster.gpus)
         assert config.cluster.pod_template_name == rendered.values["gpuPodTemplate"]["name"]
 
 
@@ -460,10 +678,26 @@ BAD_VALUES = [
         "/flyte-binary/configuration/inline/tasks/task-plugins/enabled-plugins",
     ),
     (["--set", "flyte-binary.enabled=maybe"], "/flyte-binary/enabled"),
+    # get on these opens a shell, an attached terminal, a port or a proxy: never "read-only".
+    *[
+        (
+            ["--set-json", f'platform.training.rbac.extraRules=[{{"apiGroups":[""],"resources":["{resource}"],"verbs":["get"]}}]'],
+            "/training/rbac/extraRules/0/resources/0",
+        )
+        for resource in ("pods/exec", "pods/attach", "pods/portforward", "pods/proxy", "services/proxy", "nodes/proxy", "pods/*")
+    ],
+    (["--set", "platform.namespaces.podSecurity.enforce=strict"], "/namespaces/podSecurity/enforce"),
+    (["--set", "platform.securityContext.privileged=true"], "/securityContext/privileged"),
+    (["--set", "flyte-binary.configuration.database.password=hunter2"], "/flyte-binary/configuration/database/password"),
+    (["--set", "flyte-binary.deployment.image.tag=latest"], "/flyte-binary/deployment/image/tag"),
+    (["--set", "flyte-binary.deployment.waitForDB.image.tag=latest"], "/flyte-binary/deployment/waitForDB/image/tag"),
+    (["--set", "flyte-binary.configuration.auth.enabled=true"], "/flyte-binary/configuration/auth"),
+    (["--set", "flyte-binary.configuration.auth.oidc.clientSecret=s3cret"], "/flyte-binary/configuration/auth/oidc/clientSecret"),
+    (["--set", "networkPolicy.enabled=yes"], "/networkPolicy/enabled"),
 ]
 
 
-@pytest.mark.parametrize("args, field", BAD_VALUES, ids=[f for _, f in BAD_VALUES])
+@pytest.mark.parametrize("args, field", BAD_VALUES, ids=[f"{f}={a[-1].rsplit('=', 1)[-1][:40]}" for a, f in BAD_VALUES])
 def test_bad_values_are_rejected_naming_the_field(helm, umbrella, args, field):
     proc = helm.template(umbrella, *args)
     assert proc.returncode != 0, f"{args} was accepted"
@@ -551,7 +785,8 @@ def test_flyte_binary_values_enable_pytorch_jobs_on_gpus():
     k8s = flyte["configuration"]["inline"]["plugins"]["k8s"]
     assert k8s["gpu-resource-name"] == platform["gpuPodTemplate"]["gpuResourceName"] == "nvidia.com/gpu"
     assert k8s["resource-tolerations"]["nvidia.com/gpu"] == platform["gpuPodTemplate"]["tolerations"]
-    assert k8s.get("default-pod-template-name", platform["gpuPodTemplate"]["name"]) == platform["gpuPodTemplate"]["name"]
+    # Pods that name no template get the platform's base template (security context only, no GPUs).
+    assert k8s["default-pod-template-name"] == platform["basePodTemplate"]["name"] != platform["gpuPodTemplate"]["name"]
     assert set(platform["projects"]) <= set(flyte["flyte-core-components"]["admin"]["seedProjects"])
 
     def verbs_for(group: str, resource: str) -> set:
@@ -567,13 +802,62 @@ def test_flyte_binary_values_enable_pytorch_jobs_on_gpus():
     assert not any("*" in item for rule in flyte["rbac"]["extraRules"] for f in rule.values() for item in f)
 
 
-def test_install_notes_tell_how_to_run_and_reach_the_console(helm, umbrella):
-    proc = helm.run("install", RELEASE, str(umbrella), "--namespace", FLYTE_NAMESPACE, "--dry-run=client")
+def install_notes(helm, umbrella, *args: str) -> str:
+    proc = helm.run("install", RELEASE, str(umbrella), "--namespace", FLYTE_NAMESPACE, "--dry-run=client", *args)
     assert proc.returncode == 0, proc.stderr
-    notes = proc.stdout.split("NOTES:", 1)[1]
+    return proc.stdout.split("NOTES:", 1)[1]
+
+
+def test_install_notes_tell_how_to_run_and_reach_the_console(helm, umbrella):
+    notes = install_notes(helm, umbrella)
     assert "--service-account fuseforge-training" in notes
     assert f"port-forward service/{RELEASE}-flyte-binary 8088:8088 8089:8089" in notes
     assert "fuseforge-development, fuseforge-staging, fuseforge-production" in notes
+    assert f"NetworkPolicy {RELEASE}-flyte-admin" in notes
+    assert "password read from /etc/flyte/db/password (an existing Secret)" in notes
+
+
+AUTH_ON = {"flyte-binary": {"configuration": {"auth": {
+    "enabled": True, "oidc": {"baseUrl": "https://accounts.example.com", "clientId": "flyte"},
+    "authorizedUris": ["https://flyte.example.com"], "clientSecretsExternalSecretRef": "flyte-client-secrets",
+}}}}
+
+
+def test_install_notes_say_plainly_when_auth_is_off(helm, umbrella, tmp_path):
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["flyte-binary"]["configuration"]["auth"]["enabled"] is False  # flyte-binary's default, made visible
+    notes = install_notes(helm, umbrella)
+    assert "WARNING: Flyte authentication is OFF" in notes
+    assert "can register workflows and launch GPU pods" in notes
+    notes = install_notes(helm, umbrella, "-f", str(_write_values(tmp_path, AUTH_ON)))
+    assert "authentication is OFF" not in notes
+    assert "WARNING: networkPolicy.enabled=false" in install_notes(helm, umbrella, "--set", "networkPolicy.enabled=false")
+
+
+# ----------------------------------------------------------------------------------------- database
+
+
+def test_database_password_comes_from_an_existing_secret_over_tls():
+    flyte = yaml.safe_load((CHART / "values.yaml").read_text())["flyte-binary"]
+    database = flyte["configuration"]["database"]
+    assert not database.get("password")  # no password in a values file
+    assert "sslmode=require" in database["options"]  # TLS to the external database by default
+    path = Path(database["passwordPath"])
+    (mount,) = [m for m in flyte["deployment"]["extraVolumeMounts"] if path.parent == Path(m["mountPath"])]
+    (volume,) = [v for v in flyte["deployment"]["extraVolumes"] if v["name"] == mount["name"]]
+    assert mount["readOnly"] is True
+    assert volume["secret"]["secretName"] and {"key": "password", "path": path.name} in volume["secret"]["items"]
+    readme = (ROOT / "README.md").read_text()
+    assert f"create secret generic {volume['secret']['secretName']}" in readme
+
+
+def test_database_password_path_outside_a_secret_is_refused(helm, umbrella):
+    proc = helm.template(umbrella, "--set", "flyte-binary.configuration.database.passwordPath=/etc/passwd")
+    assert proc.returncode != 0
+    assert "passwordPath (/etc/passwd) must be a file of a Secret volume" in proc.stderr
+    ok = helm.template(umbrella, "--set", "flyte-binary.enabled=false",
+                       "--set", "flyte-binary.configuration.database.passwordPath=/etc/passwd")
+    assert ok.returncode == 0, ok.stderr  # Flyte installed elsewhere: its values are not ours to check
 
 
 # ----------------------------------------------------------------------------------------- the image
@@ -652,10 +936,13 @@ def test_dockerfile_installs_parseable_requirements_from_its_build_context():
                     skip = False
                 elif word in ("-r", "--requirement"):
                     source = copied[words[i + 1]]  # a requirements file must come from the repository
-                    requirements += [
-                        line.split("#", 1)[0].strip() for line in source.read_text().splitlines()
-                        if line.split("#", 1)[0].strip()
-                    ]
+                    joined = re.sub(r"\\\n\s*", " ", source.read_text())  # continuation lines (--hash=...)
+                    for line in joined.splitlines():
+                        line = line.split("#", 1)[0].strip()
+                        if line:
+                            requirement, *options = line.split(" --")
+                            assert all(o.startswith("hash=sha256:") for o in options), line
+                            requirements.append(requirement.strip())
                     skip = True
                 elif word in PIP_OPTIONS_WITH_VALUE:
                     skip = True
@@ -671,3 +958,6 @@ def test_dockerfile_installs_parseable_requirements_from_its_build_context():
     assert {"torch", "flytekit", "flytekitplugins-kfpytorch"} <= names
     (torch,) = [req for req in parsed if req.name == "torch" and "==" in str(req.specifier)]
     assert len(torch.specifier) == 1  # the image pins its CUDA torch exactly
+    # Everything but torch is pinned exactly (the lock), and no install lets one index shadow another.
+    assert all(str(req.specifier).startswith("==") for req in parsed), [str(r) for r in parsed if "==" not in str(r.specifier)]
+    assert "unsafe-best-match" not in DOCKERFILE.read_text()

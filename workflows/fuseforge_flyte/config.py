@@ -156,7 +156,10 @@ class ElasticConfig:
     """torch elastic launch settings (nnodes > 1 makes the task a Kubeflow PyTorchJob)."""
 
     nnodes: int = _setting(1, **_at_least(1))
-    nproc_per_node: int = _setting(8, **_at_least(1))
+    # 0 = one worker per GPU: [cluster].gpus (1 without GPUs), resolved when the config is loaded.
+    nproc_per_node: int = _setting(
+        0, desc="an integer >= 0 (0 = one per GPU, i.e. [cluster].gpus)", check=lambda v: v >= 0
+    )
     local_nproc_per_node: int = _setting(2, **_at_least(1))  # workers for local runs (capped at the GPU count)
     max_restarts: int = _setting(2, **_at_least(0))
     start_method: str = _setting("spawn", **_one_of("spawn", "fork"))
@@ -409,12 +412,27 @@ def _check_training(config: PlatformConfig, sources: _Sources) -> None:
         raise ConfigError(f"{sources.of(where)}: {message}") from exc
 
 
+def _resolve_workers(config: PlatformConfig) -> PlatformConfig:
+    """[elastic].nproc_per_node = 0 (the default) follows [cluster].gpus: one worker process per GPU."""
+    if config.elastic.nproc_per_node:
+        return config
+    elastic = dataclasses.replace(config.elastic, nproc_per_node=max(config.cluster.gpus, 1))
+    return dataclasses.replace(config, elastic=elastic)
+
+
 def _check_consistency(config: PlatformConfig, sources: _Sources) -> None:
     gpus, nproc = config.cluster.gpus, config.elastic.nproc_per_node
     if gpus > 0 and nproc > gpus:
+        nproc_from, gpus_from = sources.of("[elastic].nproc_per_node"), sources.of("[cluster].gpus")
+        hint = ""
+        if nproc_from == sources.default and gpus_from != sources.default:
+            hint = (
+                f" ([cluster].gpus comes from {gpus_from}: override [elastic].nproc_per_node too, or leave it "
+                f"out of {nproc_from} so that it follows [cluster].gpus)"
+            )
         raise ConfigError(
-            f"{sources.of('[elastic].nproc_per_node')}: [elastic].nproc_per_node ({nproc}) must be <= "
-            f"[cluster].gpus ({gpus}): each worker process drives one GPU"
+            f"{nproc_from}: [elastic].nproc_per_node ({nproc}) must be <= "
+            f"[cluster].gpus ({gpus}): each worker process drives one GPU{hint}"
         )
 
 
@@ -432,7 +450,7 @@ def config_from_dict(data: Mapping[str, Any], source: str, key_sources: Optional
     # Sections the file has first, so a typo there is reported before a key missing elsewhere.
     order = [s for s in data] + [s for s in _SECTIONS if s not in data]
     built = {name: _build(_SECTIONS[name], data.get(name, {}), f"[{name}]", sources) for name in order}
-    config = PlatformConfig(**built, source=source)
+    config = _resolve_workers(PlatformConfig(**built, source=source))
     _check_consistency(config, sources)
     _check_training(config, sources)
     return config
@@ -504,6 +522,20 @@ def collect_overrides(
     return found
 
 
+def _follow_gpus(data: Dict[str, Any], overridden: typing.Set[Tuple[str, str]]) -> None:
+    """A file whose [elastic].nproc_per_node equals its [cluster].gpus means "one worker per GPU": when only
+    the GPU count is overridden (FUSEFORGE__CLUSTER__GPUS=4, --set cluster.gpus=4), the workers follow it."""
+    if ("cluster", "gpus") not in overridden or ("elastic", "nproc_per_node") in overridden:
+        return
+    cluster, elastic = data.get("cluster"), data.get("elastic")
+    if not isinstance(cluster, dict) or not isinstance(elastic, dict):
+        return
+    file_gpus = cluster.get("gpus", ClusterConfig.gpus)
+    nproc = elastic.get("nproc_per_node")
+    if type(nproc) is int and type(file_gpus) is int and nproc == file_gpus:
+        del elastic["nproc_per_node"]
+
+
 def load_config(
     path: Optional[os.PathLike | str] = None,
     *,
@@ -529,7 +561,9 @@ def load_config(
         data, source = json.loads(json.dumps(_BUILTIN_REQUIRED)), "built-in defaults"
 
     key_sources: Dict[str, str] = {}
-    for section, key, raw, origin in collect_overrides(env, overrides):
+    overrides_found = collect_overrides(env, overrides)
+    _follow_gpus(data, {(section, key) for section, key, _, _ in overrides_found})
+    for section, key, raw, origin in overrides_found:
         table = data.setdefault(section, {})
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: [{section}] must be a table, got {_show(table)}")

@@ -5,6 +5,11 @@ pyproject extras (transformers, deepspeed, flytekit + plugins, ...), and fusefor
 source checkout (staged without caches and installed with `uv pip install --no-deps`) or a pip
 requirement. Builds go through flytekit's Docker builder, wrapped (builder "fuseforge") so that they
 work from any directory and fail with a clear message when Docker is missing.
+
+Registration (`pyflyte run --remote`, `pyflyte register`) checks that the image is in the registry
+before anything refers to it: flytekit alone, without Docker, only prints "Flytekit assumes the image
+... already exists" and registers tasks whose pods then fail with ImagePullBackOff. A content-hash tag
+changes with every local edit, so it is the one most likely never to have been pushed.
 """
 
 from __future__ import annotations
@@ -14,11 +19,15 @@ import hashlib
 import json
 import os
 import shutil
+import re
 import subprocess
 import tempfile
+import urllib.error
+import urllib.parse
+import urllib.request
 import warnings
 from pathlib import Path
-from typing import Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 from flytekit.constants import CopyFileDetection
 from flytekit.image_spec.default_builder import DefaultImageBuilder, create_docker_context
@@ -39,6 +48,26 @@ _IGNORED = ("__pycache__", "*.pyc", "*.pyo", "*.egg-info", ".pytest_cache", "bui
 # Build-time settings: no DeepSpeed op pre-compilation (ops JIT on the GPU node when used), and let uv
 # take each package from whichever index has the best match (torch+cuXXX from the torch index).
 IMAGE_ENV = {"DS_BUILD_OPS": "0", "UV_INDEX_STRATEGY": "unsafe-best-match"}
+# uid/gid of the image's user "flytekit", which the Helm chart's pods run as (platform.podSecurityContext):
+# Kubernetes can only check runAsNonRoot against a numeric uid, and /root (where Flyte runs tasks) is its.
+# images/Dockerfile creates the user with it; the ImageSpec build (flytekit creates the user) checks it.
+IMAGE_UID = 1001
+UID_CHECK_COMMAND = (
+    f'test "$(id -u flytekit):$(id -g flytekit)" = "{IMAGE_UID}:{IMAGE_UID}" || '
+    f'(echo "the image user flytekit is $(id -u flytekit):$(id -g flytekit), the fuseforge chart runs pods as '
+    f'{IMAGE_UID}:{IMAGE_UID}: set platform.podSecurityContext.runAsUser/runAsGroup to it, or use a base image '
+    f'whose first free uid is {IMAGE_UID} (ubuntu 24.04 has user ubuntu at 1000)" >&2; exit 1)'
+)
+# FUSEFORGE_IMAGE_CHECK=off skips the registry check at registration (the tag is then trusted as pushed).
+IMAGE_CHECK_ENV = "FUSEFORGE_IMAGE_CHECK"
+# Image names whose tag is the content hash of the sources (not a tag the user chose and pushed).
+_CONTENT_TAGGED: set = set()
+_MANIFEST_TYPES = (
+    "application/vnd.oci.image.index.v1+json",
+    "application/vnd.oci.image.manifest.v1+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+    "application/vnd.docker.distribution.manifest.v2+json",
+)
 
 
 class ImageBuildError(RuntimeError):
@@ -128,10 +157,15 @@ def training_image(config: PlatformConfig) -> ImageSpec:
         env=dict(IMAGE_ENV),
         platform=image.platform,
         copy=[STAGED_SOURCE_DIR] if from_checkout else None,
-        commands=[f"uv pip install --no-deps /root/{STAGED_SOURCE_DIR}"] if from_checkout else None,
+        commands=[
+            UID_CHECK_COMMAND,
+            *([f"uv pip install --no-deps /root/{STAGED_SOURCE_DIR}"] if from_checkout else []),
+        ],
     )
     files = source_files(checkout) if (from_checkout and checkout is not None) else []
     tag = image.tag or _content_tag(settings, files)
+    if not image.tag:
+        _CONTENT_TAGGED.add(f"{image.registry}/{image.name}:{tag}")
     return ImageSpec(
         **settings,
         registry=image.registry,
@@ -184,12 +218,20 @@ def render_docker_context(spec: ImageSpec, out_dir: os.PathLike | str) -> Path:
     return out / "Dockerfile"
 
 
+def _fixes(image_name: str) -> str:
+    return (
+        "Build and push it with `python images/build.py` (needs Docker), or build images/Dockerfile with any "
+        f"BuildKit builder (`docker build -f images/Dockerfile -t {image_name} .`), push it, and set [image].tag "
+        "to the tag you pushed"
+    )
+
+
 def check_docker(image_name: str) -> None:
     """Fail early, and clearly, when there is no Docker to build with."""
     advice = (
         f"building {image_name} needs Docker with BuildKit (the `docker` command and a running daemon). "
         "Install/start Docker, or build images/Dockerfile with another builder, push it, and set [image].tag "
-        "to the tag you pushed"
+        "to the tag you pushed (see `python images/build.py --help`)"
     )
     if shutil.which("docker") is None:
         raise ImageBuildError(f"{advice}: no `docker` command on this machine.")
@@ -202,17 +244,117 @@ def check_docker(image_name: str) -> None:
         raise ImageBuildError(f"{advice}: the Docker daemon is not reachable ({reason[0]}).")
 
 
+def _split_image(image_name: str) -> Tuple[str, str, str]:
+    """(registry host, repository, tag) of "host[:port]/path/name:tag"; Docker Hub for a bare "user/name"."""
+    rest, _, tag = image_name.rpartition(":")
+    if not rest or "/" in tag:
+        rest, tag = image_name, "latest"
+    first, _, path = rest.partition("/")
+    if path and ("." in first or ":" in first or first == "localhost"):
+        return first, path, tag
+    return "registry-1.docker.io", rest if "/" in rest else f"library/{rest}", tag
+
+
+def _request(url: str, headers: Dict[str, str], timeout: float, method: str = "HEAD") -> Tuple[Optional[int], Dict[str, str], bytes]:
+    request = urllib.request.Request(url, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 (http(s) only)
+            return response.status, dict(response.headers), response.read() if method == "GET" else b""
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers or {}), b""
+    except (OSError, ValueError):  # unreachable, refused, timed out, TLS failure
+        return None, {}, b""
+
+
+def registry_has_image(image_name: str, timeout: float = 10.0) -> Optional[bool]:
+    """Whether the registry has this tag (Docker Registry HTTP API v2, anonymous token if asked for one):
+    True or False when the registry says so, None when it cannot tell (unreachable, needs credentials)."""
+    host, repository, tag = _split_image(image_name)
+    scheme = "http" if host.split(":")[0] in ("localhost", "127.0.0.1") else "https"
+    url = f"{scheme}://{host}/v2/{repository}/manifests/{tag}"
+    headers = {"Accept": ", ".join(_MANIFEST_TYPES)}
+    status, response_headers, _ = _request(url, headers, timeout)
+    challenge = next((v for k, v in response_headers.items() if k.lower() == "www-authenticate"), "")
+    if status == 401 and challenge.lower().startswith("bearer "):
+        params = dict(re.findall(r'(\w+)="([^"]*)"', challenge))
+        realm = params.pop("realm", "")
+        if realm.startswith(("https://", "http://")):
+            query = urllib.parse.urlencode({k: v for k, v in params.items() if k in ("service", "scope")})
+            token_status, _, body = _request(f"{realm}?{query}", {}, timeout, method="GET")
+            token = None
+            if token_status == 200:
+                try:
+                    answer = json.loads(body)
+                    token = answer.get("token") or answer.get("access_token")
+                except (ValueError, AttributeError):
+                    pass
+            if token:
+                status, _, _ = _request(url, {**headers, "Authorization": f"Bearer {token}"}, timeout)
+    if status == 200:
+        return True
+    if status == 404:
+        return False
+    return None
+
+
+def registration_command() -> Optional[str]:
+    """The pyflyte command registering tasks with a Flyte cluster in this process, or None (a local run,
+    `pyflyte package`, tests): only then must the image exist in the registry."""
+    import click
+
+    ctx = click.get_current_context(silent=True)
+    while ctx is not None:
+        if getattr(ctx.obj, "is_remote", False) is True:
+            return "pyflyte run --remote"
+        if ctx.info_name in ("register", "deploy"):
+            return f"pyflyte {ctx.info_name}"
+        ctx = ctx.parent
+    return None
+
+
 class FuseforgeImageBuilder(DefaultImageBuilder):
-    """flytekit's Docker builder, run from the staged sources; says clearly when Docker is missing."""
+    """flytekit's Docker builder, run from the staged sources; says clearly when Docker is missing, and
+    at registration refuses an image the registry does not have (or, for a content-hash tag, cannot show)."""
 
     builder_type = BUILDER_NAME
+
+    def should_build(self, image_spec: ImageSpec) -> bool:
+        command = registration_command()
+        if command is None or os.getenv(IMAGE_CHECK_ENV, "").lower() in ("off", "0", "false", "no"):
+            return super().should_build(image_spec)  # flytekit's own check: local runs, `pyflyte package`
+        name = image_spec.image_name()
+        exists = image_spec.exist()  # Docker (with your credentials) when there is one
+        if exists is None:
+            exists = registry_has_image(name)
+        if exists:
+            return bool(image_spec._is_force_push)  # FLYTE_FORCE_PUSH_IMAGE_SPEC rebuilds it anyway
+        if exists is False:
+            print(f"Image {name} is not in the registry: building and pushing it.")
+            return True  # build() fails with the fixes named when there is no Docker
+        if name in _CONTENT_TAGGED:
+            raise ImageBuildError(
+                f"{command}: cannot tell whether the registry has {name}, and its tag is a hash of your sources "
+                "(any local edit makes a new tag), so it was probably never pushed: the cluster would fail to pull "
+                f"it (ImagePullBackOff). {_fixes(name)}. If it is pushed and only the check cannot see it (a "
+                f"registry that needs credentials and no Docker here), set {IMAGE_CHECK_ENV}=off."
+            )
+        print(f"Cannot check the registry for {name}; its tag was set in [image].tag, so it is assumed pushed.")
+        return False
 
     def build_image(self, image_spec: ImageSpec) -> Optional[str]:
         push = os.getenv("FLYTE_PUSH_IMAGE_SPEC", "True").lower() in ("true", "1")
         return self.build(image_spec, push=push)
 
     def build(self, image_spec: ImageSpec, *, push: bool = True) -> Optional[str]:
-        check_docker(image_spec.image_name())
+        try:
+            check_docker(image_spec.image_name())
+        except ImageBuildError as exc:
+            if image_spec.image_name() in _CONTENT_TAGGED:  # say why a new tag appeared at all
+                raise ImageBuildError(
+                    f"{exc} The tag is a hash of your sources and image settings, so every local edit asks for a new "
+                    "image."
+                ) from None
+            raise
         with _prepared(image_spec), warnings.catch_warnings():
             # tag_format is used by ImageSpec itself, not the builder; flytekit warns about it regardless.
             warnings.filterwarnings("ignore", message="The following parameters are unsupported")

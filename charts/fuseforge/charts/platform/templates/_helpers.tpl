@@ -50,9 +50,23 @@ unless it is one of them. Same JSON shape as platform.taskNamespaces, plus "mana
 {{- toJson $out -}}
 {{- end }}
 
-{{/* The training image reference; without a tag it stands for the registry's latest. */}}
+{{/*
+The image of the PodTemplates' containers. Flyte replaces it with each task's own image, but
+Kubernetes requires one; it always carries a tag, never the implicit :latest. With image.tag ""
+(the content hash fuseforge_flyte computes at registration) the tag is a placeholder no node pulls.
+*/}}
 {{- define "platform.image" -}}
-{{- $image := printf "%s/%s" .Values.image.registry .Values.image.name -}}
-{{- if .Values.image.tag -}}{{- $image = printf "%s:%s" $image .Values.image.tag -}}{{- end -}}
-{{- $image -}}
+{{- printf "%s/%s:%s" .Values.image.registry .Values.image.name (.Values.image.tag | default "set-by-flyte-task") -}}
+{{- end }}
+
+{{/* Pod Security admission labels of a managed namespace. */}}
+{{- define "platform.podSecurityLabels" -}}
+{{- $ps := .Values.namespaces.podSecurity -}}
+{{- $version := $ps.version | default "latest" -}}
+{{- range $mode := list "enforce" "warn" "audit" }}
+{{- with get $ps $mode }}
+pod-security.kubernetes.io/{{ $mode }}: {{ . }}
+pod-security.kubernetes.io/{{ $mode }}-version: {{ $version }}
+{{- end }}
+{{- end }}
 {{- end }}

@@ -46,10 +46,8 @@ Input: dict "root" $ "namespace" <target>.
 {{- end -}}
 {{- end -}}
 {{- end -}}
+{{- /* [elastic].nproc_per_node is left out unless settings give it: fuseforge_flyte then runs one worker per GPU. */ -}}
 {{- $defaults := dict "flyte" (dict "project" $target.project "domain" $target.domain) -}}
-{{- if gt (int $tpl.gpus) 0 -}}
-{{- $_ := set $defaults "elastic" (dict "nproc_per_node" (int $tpl.gpus)) -}}
-{{- end -}}
 {{- $config := mergeOverwrite (mergeOverwrite $defaults $settings) $facts -}}
 {{- $nproc := dig "elastic" "nproc_per_node" 0 $config | int -}}
 {{- if and (gt (int $tpl.gpus) 0) (gt $nproc (int $tpl.gpus)) -}}
