@@ -1,13 +1,23 @@
 """Checkpoint/resume (issue 7): exact replay, corrupt/partial checkpoints, wrong shapes, object stores.
+Verified before anything is loaded (issue 16): content hashes, HMAC, run settings and model config,
+damaged FSDP checkpoints, full disks, and preemption by SIGTERM.
 
-Single process on the CPU in fp32, so a resumed run must reproduce the
-uninterrupted loss curve bit for bit.
+Single process on the CPU in fp32 (or 2 gloo workers under torch elastic), so a resumed run must
+reproduce the uninterrupted loss curve bit for bit.
 """
 
+import hashlib
+import importlib
 import json
 import logging
 import os
 import random
+import signal
+import struct
+import subprocess
+import sys
+import time
+import zipfile
 
 import numpy as np
 import pytest
@@ -19,6 +29,10 @@ from fuseforge_flyte.training.faults import FAULT_ENV, InjectedFault
 from fuseforge_flyte.training.spec import TrainSpec
 
 STEPS = 8
+KEY_ENV, KEY_FILE_ENV = "FUSEFORGE_CHECKPOINT_KEY", "FUSEFORGE_CHECKPOINT_KEY_FILE"
+KEY = "test-checkpoint-key-0123456789abcdef"
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 
 
 def _spec(ckpt_dir, **overrides):
@@ -95,7 +109,8 @@ def test_damaged_newest_checkpoint_is_skipped(reference, tmp_path, monkeypatch, 
         resumed = train(spec)
     assert resumed.resumed_from_step == 4
     assert resumed.loss_curve == reference.loss_curve
-    expected = {"truncate": "truncated", "garbage": "loading failed", "no_marker": "incomplete checkpoint"}[damage]
+    expected = {"truncate": "truncated", "garbage": "model.pt changed since it was written",
+                "no_marker": "incomplete checkpoint"}[damage]
     assert any(expected in r.getMessage() and "step_00000006" in r.getMessage() for r in caplog.records)
 
 
@@ -146,6 +161,7 @@ def test_object_store_uri_roundtrip(reference, monkeypatch):
     """fsspec store without renames: files uploaded per rank, marker written last."""
     import fsspec
 
+    monkeypatch.setenv(KEY_ENV, KEY)
     root = f"memory://fuseforge-test-{random.randrange(1 << 30)}"
     spec = _spec(root)
     _interrupt(monkeypatch, spec, 5)
@@ -169,3 +185,418 @@ def test_rng_states_roundtrip():
     assert draws() != expected
     set_rng_state(state, device)
     assert draws() == expected
+
+
+# ---------------------------------------------------------------- issue 16: verified before anything is loaded
+
+
+@pytest.fixture(scope="module")
+def deepspeed_on_cpu():
+    """DeepSpeed's CPU backend would JIT-compile a shm all-reduce op it does not need here (see test_distributed)."""
+    deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed not installed (optional extra)")
+    comm_torch = importlib.import_module("deepspeed.comm.torch")
+    original = comm_torch.build_shm_op
+    if os.environ.get("FUSEFORGE_TEST_DS_SHM") != "1":
+        comm_torch.build_shm_op = lambda: None
+    yield deepspeed
+    comm_torch.build_shm_op = original
+
+
+@pytest.fixture(scope="module")
+def fsdp_reference(tmp_path_factory):
+    torch.set_num_threads(1)
+    return train(_spec(tmp_path_factory.mktemp("fsdp-reference"), strategy="fsdp"))
+
+
+def _tensor_data_offset(path):
+    """Byte offset of the middle element of the largest tensor stored in a torch (zip) checkpoint."""
+    with zipfile.ZipFile(path) as archive:
+        info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
+    with open(path, "rb") as handle:
+        handle.seek(info.header_offset)
+        header = handle.read(30)
+    name_len, extra_len = struct.unpack("<HH", header[26:30])
+    return info.header_offset + 30 + name_len + extra_len + (info.file_size // 8) * 4
+
+
+def _xor_byte(path, offset, mask):
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        byte = handle.read(1)[0]
+        handle.seek(offset)
+        handle.write(bytes([byte ^ mask]))
+
+
+def _rehash(checkpoint):
+    """What a writer without the key can do: make the manifest match the files again (an HMAC then fails)."""
+    marker = json.loads((checkpoint / MARKER).read_text())
+    for rel, entry in marker["files"].items():
+        data = (checkpoint / rel).read_bytes()
+        if isinstance(entry, dict):
+            entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+        else:  # the format before content hashes: sizes only
+            marker["files"][rel] = len(data)
+    (checkpoint / MARKER).write_text(json.dumps(marker))
+
+
+def _warned(caplog, *parts):
+    return any(all(p in r.getMessage() for p in parts) for r in caplog.records)
+
+
+@pytest.mark.parametrize("damage", ["model_bit_flip", "optimizer_byte", "state_edit"])
+def test_silent_corruption_is_caught_by_the_content_hash(reference, tmp_path, monkeypatch, caplog, damage):
+    """Sizes stay the same and torch loads the files fine: only the sha256 in the manifest notices."""
+    spec = _spec(tmp_path)
+    _interrupt(monkeypatch, spec, 7)
+    newest = tmp_path / "step_00000006"
+    if damage == "model_bit_flip":  # one exponent bit: a weight of ~0.02 becomes ~1e37
+        path = newest / "model.pt"
+        _xor_byte(path, _tensor_data_offset(path) + 3, 0x40)
+        assert max(t.abs().max().item() for t in torch.load(path, weights_only=True).values()) > 1e30
+    elif damage == "optimizer_byte":
+        path = newest / "optimizer.pt"
+        _xor_byte(path, _tensor_data_offset(path) + 1, 0xFF)
+        torch.load(path, weights_only=True)
+    else:  # the data position moved on by two batches, same length
+        path = newest / "trainer_state.json"
+        text = path.read_text()
+        index = json.loads(text)["position"]["index"]
+        path.write_text(text.replace(f'"index": {index}', f'"index": {index + 2}'))
+        assert json.loads(path.read_text())["position"]["index"] == index + 2
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert resumed.resumed_from_step == 4
+    assert resumed.loss_curve == reference.loss_curve
+    assert _warned(caplog, "step_00000006", f"file {path.name} changed since it was written")
+
+
+def test_file_outside_the_manifest_is_refused(reference, tmp_path, monkeypatch, caplog):
+    """A loader may pick a file up by name (another world size's shard): nothing unlisted may be there."""
+    spec = _spec(tmp_path)
+    _interrupt(monkeypatch, spec, 7)
+    (tmp_path / "step_00000006" / "rng" / "rank_00001.pt").write_bytes(b"planted")
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert resumed.resumed_from_step == 4 and resumed.loss_curve == reference.loss_curve
+    assert _warned(caplog, "step_00000006", "rng/rank_00001.pt is not in the manifest")
+
+
+def _config_file(directory, **changes):
+    from fuseforge_flyte.training.models import load_config
+
+    config = load_config("tiny-llama")
+    for name, value in changes.items():
+        setattr(config, name, value)
+    directory.mkdir()
+    config.to_json_file(str(directory / "config.json"))
+    return str(directory / "config.json")
+
+
+def test_same_shapes_but_another_model_config_is_refused(tmp_path, monkeypatch):
+    """rope_theta, rms_norm_eps and the activation change no shape, so the parameter check cannot see them."""
+    original = _config_file(tmp_path / "a")
+    changed = _config_file(tmp_path / "b", rms_norm_eps=1e-5, hidden_act="gelu",
+                           rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+    spec = _spec(tmp_path / "ckpt", model=original)
+    _interrupt(monkeypatch, spec, 3)
+    with pytest.raises(CheckpointError) as err:
+        train(_spec(tmp_path / "ckpt", model=changed))
+    message = str(err.value)
+    for part in ("model_config.rope_parameters.rope_theta: 10000.0 -> 500000.0", "model_config.rms_norm_eps",
+                 "model_config.hidden_act: 'silu' -> 'gelu'", "resume_allow_changes='model_config'"):
+        assert part in message
+    # on purpose (a context extension's new rope_theta, say): allowed by name
+    assert train(_spec(tmp_path / "ckpt", model=changed, resume_allow_changes="model_config")).resumed_from_step == 2
+
+
+def test_changed_run_settings_are_refused_naming_each_unless_allowed(tmp_path, monkeypatch):
+    spec = _spec(tmp_path)
+    _interrupt(monkeypatch, spec, 3)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != "progress.json"}
+    with pytest.raises(CheckpointError) as err:
+        train(_spec(tmp_path, lr=1e-3, seed=4, batch_size=4, grad_clip=0.5))
+    message = str(err.value)
+    for part in ("lr: 0.003 -> 0.001", "seed: 3 -> 4", "global_batch: 2 -> 4", "grad_clip: 1.0 -> 0.5",
+                 "resume_allow_changes='global_batch,grad_clip,lr,seed'"):
+        assert part in message
+    with pytest.raises(CheckpointError, match=r"dataset.benchmark: 'bench:bytes' -> 'bench:synthetic'"):
+        train(_spec(tmp_path, dataset="bench:synthetic"))
+    with pytest.raises(ValueError, match="resume_allow_changes: unknown setting.*learning_rate"):
+        train(_spec(tmp_path, lr=1e-3, resume_allow_changes="learning_rate"))
+    after = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != "progress.json"}
+    assert after == before  # refused before anything was written
+    assert train(_spec(tmp_path, lr=1e-3, seed=4, resume_allow_changes="lr, seed")).resumed_from_step == 2
+
+
+def test_continued_training_with_allowed_changes_uses_the_new_schedule(tmp_path):
+    """lr and steps allowed to change: the restored optimizer and schedule take them (their state holds the old)."""
+    from fuseforge_flyte.training.optim import WarmupCosine
+
+    train(_spec(tmp_path, steps=4, checkpoint_every=0))
+    more = train(_spec(tmp_path, steps=8, lr=1e-3, checkpoint_every=0, resume_allow_changes="steps,lr"))
+    assert more.resumed_from_step == 4 and more.steps == 8 and len(more.loss_curve) == 8
+    scheduler = torch.load(tmp_path / "step_00000008" / "scheduler.pt", weights_only=True)
+    assert scheduler["base_lrs"] == [1e-3, 1e-3]
+    assert scheduler["lr_lambdas"][0] == {"warmup": 2, "total": 8}
+    assert scheduler["_last_lr"][0] == pytest.approx(1e-3 * WarmupCosine(2, 8)(8))
+
+
+def test_steps_below_the_checkpoint_is_a_clear_error(tmp_path, monkeypatch):
+    spec = _spec(tmp_path)
+    _interrupt(monkeypatch, spec, 7)
+    with pytest.raises(CheckpointError, match=r"step_00000006 is at step 6, beyond this run's steps=5"):
+        train(_spec(tmp_path, steps=5))
+
+
+class _Payload:
+    """Unpickling it creates a directory: proof that checkpoint bytes reached an unpickler."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.mkdir, (self.path,))
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
+def test_rewritten_pickle_never_reaches_an_unpickler(tmp_path, monkeypatch, caplog, request, strategy):
+    """DCP unpickles .metadata, DeepSpeed torch.load(weights_only=False)s its files: a bucket writer's payload
+    with a manifest fixed to match fails the HMAC, and the previous checkpoint is used."""
+    if strategy == "deepspeed":
+        request.getfixturevalue("deepspeed_on_cpu")
+    monkeypatch.setenv(KEY_ENV, KEY)
+    spec = _spec(tmp_path / "ckpt", strategy=strategy, steps=6)
+    _interrupt(monkeypatch, spec, 5)
+    newest = tmp_path / "ckpt" / "step_00000004"
+    target = (newest / "dcp" / ".metadata" if strategy == "fsdp"
+              else next((newest / "deepspeed" / "state").glob("*model_states.pt")))
+    flag = tmp_path / "code-ran"
+    target.write_bytes(__import__("pickle").dumps(_Payload(str(flag))))
+    _rehash(newest)
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert not flag.exists()
+    assert resumed.resumed_from_step == 2
+    assert _warned(caplog, "step_00000004", "signature does not match")
+
+
+def test_with_a_key_unsigned_or_foreign_checkpoints_are_refused(tmp_path, monkeypatch):
+    unsigned = _spec(tmp_path / "unsigned", steps=4)
+    _interrupt(monkeypatch, unsigned, 3)
+    monkeypatch.setenv(KEY_ENV, KEY)
+    with pytest.raises(CheckpointError, match="step_00000002: not signed"):
+        train(unsigned)
+    signed = _spec(tmp_path / "signed", steps=4)
+    _interrupt(monkeypatch, signed, 3)
+    key_file = tmp_path / "key"  # e.g. a Kubernetes Secret mounted as a file
+    key_file.write_text("another-key-0123456789abcdef\n")
+    monkeypatch.delenv(KEY_ENV)
+    monkeypatch.setenv(KEY_FILE_ENV, str(key_file))
+    with pytest.raises(CheckpointError, match="step_00000002: signed with another key"):
+        train(signed)
+    key_file.write_text(KEY + "\n")
+    assert train(signed).resumed_from_step == 2
+    key_file.write_text("short")
+    with pytest.raises(CheckpointError, match="at least 16"):
+        train(signed)
+
+
+def test_object_store_without_a_key_is_refused_before_training(monkeypatch):
+    import fsspec
+
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    root = f"memory://fuseforge-test-{random.randrange(1 << 30)}"
+    with pytest.raises(CheckpointError, match=f"an object store and no checkpoint key.*{KEY_ENV}.*{KEY_FILE_ENV}"):
+        train(_spec(root))
+    assert not fsspec.filesystem("memory").exists(root[len("memory://"):])
+
+
+def test_a_key_can_be_required_for_a_local_directory(tmp_path, monkeypatch):
+    """For a local copy of remote data (e.g. Flyte's intra-task checkpoint restored from the bucket)."""
+    monkeypatch.setenv("FUSEFORGE_CHECKPOINT_REQUIRE_KEY", "1")
+    with pytest.raises(CheckpointError, match=f"FUSEFORGE_CHECKPOINT_REQUIRE_KEY is set and no checkpoint key"):
+        train(_spec(tmp_path))
+    assert not os.listdir(tmp_path)
+    monkeypatch.setenv(KEY_ENV, KEY)
+    assert train(_spec(tmp_path, steps=2)).steps == 2
+
+
+def test_full_bucket_is_reported_as_such(monkeypatch):
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    def put_file(self, lpath, rpath, **kwargs):
+        raise OSError("QuotaExceeded: the bucket's storage quota is exhausted")
+
+    monkeypatch.setenv(KEY_ENV, KEY)
+    monkeypatch.setattr(MemoryFileSystem, "put_file", put_file)
+    root = f"memory://fuseforge-test-{random.randrange(1 << 30)}"
+    with pytest.raises(CheckpointError, match=r"uploading checkpoint step_00000002 to memory://.* failed: the store "
+                                              r"is full or over its quota.*QuotaExceeded"):
+        train(_spec(root))
+
+
+def test_object_store_checkpoint_changed_in_the_bucket_is_refused(reference, monkeypatch, caplog):
+    import fsspec
+
+    monkeypatch.setenv(KEY_ENV, KEY)
+    root = f"memory://fuseforge-test-{random.randrange(1 << 30)}"
+    spec = _spec(root)
+    _interrupt(monkeypatch, spec, 5)
+    fs, path = fsspec.filesystem("memory"), root[len("memory://"):]
+    model = f"{path}/step_00000004/model.pt"
+    data = bytearray(fs.cat_file(model))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(model, bytes(data))
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert resumed.resumed_from_step == 2 and resumed.loss_curve == reference.loss_curve
+    assert _warned(caplog, "step_00000004", "file model.pt changed since it was written")
+    fs.rm(path, recursive=True)
+
+
+def test_damaged_fsdp_checkpoint_falls_back_to_the_previous_one(fsdp_reference, tmp_path, monkeypatch, caplog):
+    """DCP raises CheckpointException (a BaseException) for a bad shard: it must skip, not crash every restart."""
+    spec = _spec(tmp_path, strategy="fsdp")
+    _interrupt(monkeypatch, spec, 7)
+    newest = tmp_path / "step_00000006"
+    shard = next((newest / "dcp").glob("*.distcp"))
+    shard.write_bytes(bytes(shard.stat().st_size))
+    _rehash(newest)  # no key: the hashes match again, so only loading can notice
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert resumed.resumed_from_step == 4
+    assert resumed.loss_curve == fsdp_reference.loss_curve
+    assert _warned(caplog, "step_00000006", "loading failed", "CheckpointException")
+
+
+def test_save_is_refused_before_writing_when_the_disk_is_too_full(tmp_path, monkeypatch):
+    from fuseforge_flyte.training import checkpoint
+
+    calls = []
+
+    def free_bytes(path):  # room for the first checkpoint only
+        calls.append(path)
+        return (10**12 if len(calls) == 1 else 1000), 10**12
+
+    monkeypatch.setattr(checkpoint, "_free_bytes", free_bytes, raising=False)
+    with pytest.raises(CheckpointError, match=r"not enough free space for checkpoint step_00000004 .*: 1000 bytes "
+                                              r"free of 931.32 GiB, and a checkpoint takes about .* MiB \(the size "
+                                              r"of the last one\).*keep_last=3 holds 4 checkpoints"):
+        train(_spec(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["progress.json", "step_00000002"]
+
+
+_FULL_DISK = """
+import resource, signal, sys, torch
+from fuseforge_flyte.training.checkpoint import CheckpointError
+from fuseforge_flyte.training.engine import train
+from fuseforge_flyte.training.spec import TrainSpec
+torch.set_num_threads(1)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    train(TrainSpec(model="tiny-llama", dataset="bench:bytes", steps=4, batch_size=2, seq_len=32, kernels=False,
+                    checkpoint_dir=sys.argv[1], checkpoint_every=2))
+except CheckpointError as err:
+    print("CheckpointError:", err)
+    sys.exit(3)
+"""
+
+
+def test_disk_full_while_writing_is_reported_as_such(tmp_path):
+    """torch's zip writer says 'unexpected pos'; the error must say the disk is full, with the free space."""
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path / "ckpt")], capture_output=True, text=True,
+                          timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 3, output
+    assert "writing checkpoint step_00000002 failed: the disk holding" in output and "is full" in output, output
+    assert " free of " in output and "unexpected pos" in output
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["progress.json"]  # the partial files are gone
+
+
+def test_sigterm_checkpoints_the_step_and_resume_redoes_nothing(reference, tmp_path, monkeypatch):
+    from fuseforge_flyte.training.preemption import SIGNAL_ENV, Preempted
+
+    spec = _spec(tmp_path)
+    handler = signal.getsignal(signal.SIGTERM)
+    monkeypatch.setenv(SIGNAL_ENV, "0:5")
+    with pytest.raises(Preempted) as stop:
+        train(spec)
+    monkeypatch.delenv(SIGNAL_ENV)
+    assert signal.getsignal(signal.SIGTERM) == handler  # restored
+    assert stop.value.step == 5 and stop.value.checkpoint == str(tmp_path / "step_00000005")
+    assert stop.value.metrics.loss_curve == reference.loss_curve[:5]
+    resumed = train(spec)
+    assert resumed.resumed_from_step == 5 and resumed.steps_redone == 0
+    assert resumed.loss_curve == reference.loss_curve
+
+
+_ELASTIC = dict(model="tiny-llama", dataset="bench:bytes", seq_len=32, batch_size=1, lr=3e-3, kernels=False, seed=5)
+_AGENT = """
+import json, sys
+from fuseforge_flyte.training.local import run_local
+from fuseforge_flyte.training.spec import TrainSpec
+run_local(TrainSpec(**json.loads(sys.argv[1])), 2, start_method="fork")
+"""
+
+
+def _launch(spec, **kwargs):
+    from fuseforge_flyte.training.local import run_local
+
+    return run_local(spec, 2, start_method="fork", **kwargs)
+
+
+def test_sigterm_to_the_elastic_agent_checkpoints_and_the_restart_redoes_nothing(tmp_path):
+    """As on a Kubernetes eviction: the agent gets SIGTERM and forwards it to its workers (SIGKILL 30 s later)."""
+    settings = dict(_ELASTIC, strategy="fsdp", steps=30, checkpoint_every=10, keep_last=2)
+    uninterrupted = _launch(TrainSpec(**settings, checkpoint_dir=str(tmp_path / "uninterrupted")))[0]
+    ckpt = tmp_path / "evicted"
+    log_file = tmp_path / "agent.log"
+    with open(log_file, "w") as out:
+        agent = subprocess.Popen([sys.executable, "-c", _AGENT, json.dumps(dict(settings, checkpoint_dir=str(ckpt)))],
+                                 stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and agent.poll() is None:
+            try:
+                if json.loads((ckpt / "progress.json").read_text())["furthest_step"] >= 4:
+                    break
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.01)
+        agent.send_signal(signal.SIGTERM)
+        returncode = agent.wait(timeout=120)
+    output = log_file.read_text()
+    assert returncode != 0, output
+    stopped = json.loads((ckpt / "progress.json").read_text())["furthest_step"]
+    assert 4 <= stopped < 30, output
+    assert (ckpt / f"step_{stopped:08d}" / MARKER).exists(), output
+    assert "SIGTERM received" in output and f"preempted (SIGTERM) after step {stopped}" in output
+
+    resumed = _launch(TrainSpec(**settings, checkpoint_dir=str(ckpt)))
+    for metrics in resumed.values():
+        assert metrics.resumed_from_step == stopped and metrics.steps_redone == 0
+        assert metrics.loss_curve == uninterrupted.loss_curve
+
+
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, monkeypatch):
+    """Only rank 1's pod was evicted: the all-reduced flag makes both ranks checkpoint step 3 and stop."""
+    from fuseforge_flyte.training.preemption import SIGNAL_ENV
+
+    settings = dict(_ELASTIC, strategy="ddp", steps=6, checkpoint_every=4)
+    uninterrupted = _launch(TrainSpec(**settings, checkpoint_dir=str(tmp_path / "uninterrupted")))[0]
+    monkeypatch.setenv(SIGNAL_ENV, "1:3")  # first attempt only
+    restarted = _launch(TrainSpec(**settings, checkpoint_dir=str(tmp_path / "evicted")), max_restarts=1)
+    for metrics in restarted.values():
+        assert metrics.restarts == 1
+        assert metrics.resumed_from_step == 3 and metrics.steps_redone == 0
+        assert metrics.loss_curve == uninterrupted.loss_curve
+
+
+def test_prepared_data_identity_is_part_of_the_settings(tmp_path):
+    """Real data: the prepared data's source, format and counts, not its directory, identify it."""
+    spec = dict(model="tiny-llama", dataset="builtin:chat", tokenizer="builtin:tiny-bpe", steps=1, batch_size=2,
+                seq_len=64, kernels=False, checkpoint_dir=str(tmp_path))
+    train(TrainSpec(**spec))
+    with pytest.raises(CheckpointError, match=r"dataset.eval_source: '' -> 'eval_fraction=0.1'; "
+                                              r"dataset.train_loss_tokens: \d+ -> \d+"):
+        train(TrainSpec(**spec, eval_fraction=0.1))

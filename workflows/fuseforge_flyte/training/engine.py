@@ -344,7 +344,11 @@ def _device_name(device: torch.device) -> str:
 
 
 def train(spec: TrainSpec) -> TrainMetrics:
-    """Run `spec` in this worker process and return the metrics (identical on every rank)."""
+    """Run `spec` in this worker process and return the metrics (identical on every rank).
+
+    On SIGTERM (an eviction) every rank finishes the step, checkpoints it and raises
+    `preemption.Preempted` (step, checkpoint, metrics): a retriable failure whose restart redoes nothing.
+    """
     spec.validate()
     ensure_console_logging()
     ctx = DistContext.from_env(need_group=strategy_class(spec.strategy).needs_process_group)

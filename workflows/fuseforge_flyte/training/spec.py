@@ -51,6 +51,9 @@ class TrainSpec:
     checkpoint_dir: Optional[str] = None  # local dir or fsspec URI; None disables checkpointing
     checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end (needs checkpoint_dir)
     keep_last: int = 2
+    # settings a resume may find changed since the checkpoint, comma-separated (e.g. "lr,steps" to continue
+    # training on a new schedule); any other difference stops the run. Names: see checkpoint.ALLOWABLE_CHANGES
+    resume_allow_changes: str = ""
     nonfinite_policy: str = "raise"  # "raise" | "skip" on a non-finite loss
     log_every: int = 1
     # where rank 0 writes the trained model as a Hugging Face directory at the end; None = not saved
