@@ -58,7 +58,7 @@ def main() -> None:
     for name, m in results.items():
         print(f"{name:20s} {m['tokens_per_s']:10.0f} {m['step_time_p50_s'] * 1e3:8.1f} "
               f"{m['data_wait_fraction'] * 100:9.2f}% {m['peak_memory_gib']:9.2f} {m['mfu'] * 100:5.1f}% "
-              f"{m['loss_curve'][0]:7.3f} {m['final_loss']:7.3f} {m['eval_loss']:7.3f}")
+              f"{m['loss_curve'][0]:7.3f} {m['final_loss']:7.3f} {m['eval_loss'] or float('nan'):7.3f}")
     ratio = results["prepared"]["tokens_per_s"] / results["synthetic"]["tokens_per_s"]
     print(f"\nprepared / synthetic tokens/s: {ratio:.3f}")
     if args.json:

@@ -189,7 +189,8 @@ def test_workflow_inputs_mirror_trainspec_with_config_defaults():
     assert list(train.python_interface.outputs) == ["metrics", "model"]
     compare_inputs = compare.python_interface.inputs_with_defaults
     assert set(spec_fields) - set(compare_inputs) == {"kernels", "checkpoint_dir", "checkpoint_every", "keep_last",
-                                                      "eval_fraction", "eval_dataset", "eval_every"}
+                                                      "resume_allow_changes", "eval_fraction", "eval_dataset",
+                                                      "eval_every"}
     assert compare.python_interface.outputs["o0"].__name__ == "Comparison"
 
 

@@ -51,7 +51,7 @@ def _metric_rows(m: TrainMetrics) -> List[Tuple[str, str]]:
         ("peak memory", f"{m.peak_memory_gib:.3f} {_GIB}"),
         ("step time p50 / p90 / p99", f"{m.step_time_p50_s * 1e3:.1f} / {m.step_time_p90_s * 1e3:.1f} / {m.step_time_p99_s * 1e3:.1f} ms"),
         ("final loss", f"{m.final_loss:.4f}"),
-        ("eval loss / perplexity", f"{m.eval_loss:.4f} / {m.eval_perplexity:.3f}" if m.eval_loss_curve else "no eval data"),
+        ("eval loss / perplexity", f"{m.eval_loss:.4f} / {m.eval_perplexity:.3f}" if m.eval_loss is not None else "no eval data"),
         ("data wait (share of step time)", f"{m.data_wait_fraction * 100:.2f} %"),
         ("dataset", m.dataset or "n/a"),
         ("trained model", m.model_dir or "not saved"),

@@ -298,7 +298,14 @@ def run_training(spec: TrainSpec) -> TrainOutput:
             "run `pyflyte run --remote --copy all ...`."
         ) from exc
 
-    metrics = train(spec)
+    from flytekit.exceptions.user import FlyteRecoverableException
+
+    from fuseforge_flyte.training.preemption import Preempted
+
+    try:
+        metrics = train(spec)
+    except Preempted as err:  # SIGTERM: checkpointed; Flyte retries the task and it resumes there
+        raise FlyteRecoverableException(str(err)) from err
     if int(os.environ.get("RANK", "0")) == 0:
         Deck("Training metrics", training_deck_html(metrics))
     return TrainOutput(metrics=metrics, model=FlyteDirectory(path=spec.output_dir))
@@ -308,6 +315,7 @@ def run_training(spec: TrainSpec) -> TrainOutput:
 def train_model(
     data: FlyteDirectory,
     model: str = DEFAULTS.model,
+    eval_every: int = DEFAULTS.eval_every,
     steps: int = DEFAULTS.steps,
     batch_size: int = DEFAULTS.batch_size,
     seq_len: int = DEFAULTS.seq_len,
@@ -324,10 +332,10 @@ def train_model(
     dtype: str = DEFAULTS.dtype,
     gradient_checkpointing: bool = DEFAULTS.gradient_checkpointing,
     seed: int = DEFAULTS.seed,
-    eval_every: int = DEFAULTS.eval_every,
     checkpoint_dir: Optional[str] = DEFAULTS.checkpoint_dir,
     checkpoint_every: int = DEFAULTS.checkpoint_every,
     keep_last: int = DEFAULTS.keep_last,
+    resume_allow_changes: str = DEFAULTS.resume_allow_changes,
     nonfinite_policy: str = DEFAULTS.nonfinite_policy,
     log_every: int = DEFAULTS.log_every,
 ) -> TrainOutput:
@@ -357,6 +365,7 @@ def train_model(
             checkpoint_dir=checkpoint_dir,
             checkpoint_every=checkpoint_every,
             keep_last=keep_last,
+            resume_allow_changes=resume_allow_changes,
             nonfinite_policy=nonfinite_policy,
             log_every=log_every,
             output_dir=tempfile.mkdtemp(prefix="fuseforge-model-"),

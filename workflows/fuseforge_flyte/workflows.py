@@ -66,6 +66,7 @@ def train(
     checkpoint_dir: Optional[str] = DEFAULTS.checkpoint_dir,
     checkpoint_every: int = DEFAULTS.checkpoint_every,
     keep_last: int = DEFAULTS.keep_last,
+    resume_allow_changes: str = DEFAULTS.resume_allow_changes,
     nonfinite_policy: str = DEFAULTS.nonfinite_policy,
     log_every: int = DEFAULTS.log_every,
 ) -> TrainOutput:
@@ -98,6 +99,7 @@ def train(
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,
         keep_last=keep_last,
+        resume_allow_changes=resume_allow_changes,
         nonfinite_policy=nonfinite_policy,
         log_every=log_every,
     )

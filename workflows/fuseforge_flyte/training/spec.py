@@ -107,9 +107,9 @@ class TrainMetrics:
     tokens_per_step: int = 0  # global: world_size * grad_accum * batch_size * seq_len
     step_time_curve: List[float] = field(default_factory=list)
     kernels_patched: List[str] = field(default_factory=list)  # fuseforge kernels apply_kernels swapped in
-    # held-out loss per token and its exp; NaN when the run had no eval data
-    eval_loss: float = float("nan")
-    eval_perplexity: float = float("nan")
+    # held-out loss per token and its exp; None when the run had no eval data
+    eval_loss: Optional[float] = None
+    eval_perplexity: Optional[float] = None
     eval_loss_curve: List[float] = field(default_factory=list)
     eval_steps: List[int] = field(default_factory=list)  # the step after which each eval_loss_curve entry was taken
     # time the steps spent getting their batches onto the device, as a share of step time (the GPU must not starve)
