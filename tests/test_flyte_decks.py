@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import html
 import math
 import random
 import re
@@ -88,3 +89,24 @@ def test_comparison_deck_has_side_by_side_table_and_bars():
     assert f"throughput {c.throughput_gain_pct:+.1f} %" in html
     images = pngs(html)
     assert len(images) == 1 and images[0].startswith(b"\x89PNG")
+
+
+def test_printed_results_are_a_short_summary():
+    """What pyflyte prints for an output: a few lines with the numbers a user looks for, not every field."""
+    m = run(True, steps=200, eval_loss=2.5, eval_perplexity=math.exp(2.5), eval_loss_curve=[3.0, 2.5],
+            eval_steps=[100, 200], model_dir="/runs/model", dataset="builtin:chat")
+    text = repr(m)
+    assert len(text) < 600 and text.count("\n") <= 4
+    for needle in ("tokens/s", "MFU", "peak memory", "eval loss 2.5000", "/runs/model", "builtin:chat"):
+        assert needle in text
+    assert m.loss_curve[3] and str(m) == text  # the typed fields are all still there
+    c = compare_metrics(run(True), run(False))
+    assert len(repr(c)) < 800 and "throughput" in repr(c)
+
+
+def test_cpu_comparisons_say_the_interpreter_makes_throughput_meaningless():
+    cpu = compare_metrics(run(True), run(False))
+    assert "Triton's interpreter" in cpu.note and "NOTE" in repr(cpu)
+    assert html.escape(cpu.note) in comparison_deck_html(cpu)
+    gpu = compare_metrics(run(True, device="NVIDIA H200"), run(False, device="NVIDIA H200"))
+    assert gpu.note == "" and "NOTE" not in repr(gpu)

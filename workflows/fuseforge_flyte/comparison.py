@@ -19,6 +19,26 @@ class Comparison:
     max_loss_curve_diff: float = 0.0  # largest per-step |loss difference| along the curves
     with_kernels: TrainMetrics = field(default_factory=TrainMetrics)
     without_kernels: TrainMetrics = field(default_factory=TrainMetrics)
+    note: str = ""  # what the numbers cannot say (e.g. CPU runs through Triton's interpreter)
+
+    def __str__(self) -> str:
+        w, wo = self.with_kernels, self.without_kernels
+        lines = [f"with vs without fuseforge kernels: throughput {self.throughput_gain_pct:+.1f} %, peak memory "
+                 f"{-self.memory_reduction_pct:+.1f} %, final loss difference {self.final_loss_diff:+.2e}",
+                 f"  tokens/s {wo.tokens_per_s:,.0f} -> {w.tokens_per_s:,.0f}; peak memory {wo.peak_memory_gib:.2f} -> "
+                 f"{w.peak_memory_gib:.2f} GiB; step p50 {wo.step_time_p50_s * 1e3:.1f} -> {w.step_time_p50_s * 1e3:.1f} ms"]
+        if self.note:
+            lines.append(f"  NOTE: {self.note}")
+        return "\n".join(lines)
+
+    __repr__ = __str__  # pyflyte prints outputs through repr
+
+
+CPU_INTERPRETER_NOTE = (
+    "both runs ran on the CPU, where fuseforge's Triton kernels go through Triton's interpreter (one kernel "
+    "program after another): the throughput and memory changes say nothing about a GPU; run compare on GPUs "
+    "(--remote) to measure the kernels"
+)
 
 
 def _positive(value: float, what: str) -> float:
@@ -56,4 +76,5 @@ def compare_metrics(with_kernels: TrainMetrics, without_kernels: TrainMetrics) -
         max_loss_curve_diff=max((abs(a - b) for a, b in pairs), default=0.0),
         with_kernels=with_kernels,
         without_kernels=without_kernels,
+        note=CPU_INTERPRETER_NOTE if with_kernels.device == "cpu" else "",
     )

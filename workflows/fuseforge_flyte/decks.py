@@ -151,8 +151,10 @@ def comparison_deck_html(c: Comparison) -> str:
     axes[3].set(title="loss", xlabel=xlabel)
     axes[3].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[3].legend()
+    note = f"<p><b>Note:</b> {html.escape(c.note)}</p>" if c.note else ""
     return (
         f"<h3>{html.escape(_describe_setup(w))}: {html.escape(headline)}</h3>"
+        + note
         + table_html(["metric", "without kernels", "with kernels", "change"], rows)
         + figure_html(fig, "with vs without kernels")
     )

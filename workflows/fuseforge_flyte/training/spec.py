@@ -117,3 +117,21 @@ class TrainMetrics:
     loss_tokens_per_step: float = 0.0  # tokens that carry a loss, per step on average (packing and masking)
     dataset: str = ""  # what the run trained on (the prepared data's source)
     model_dir: str = ""  # where the trained model was written ("" when not saved)
+
+    def __str__(self) -> str:
+        """A short summary (what `pyflyte run` prints); the fields hold everything."""
+        mfu = f"{self.mfu * 100:.1f} %" if self.mfu else "n/a"
+        rows = [
+            f"{self.model} on {self.dataset or '?'} · {self.strategy} · {self.world_size} x {self.device} · "
+            f"{'fuseforge kernels' if self.kernels else 'no kernels'} · {self.dtype}",
+            f"  steps {self.steps}   tokens/s {self.tokens_per_s:,.0f}   MFU {mfu}   peak memory "
+            f"{self.peak_memory_gib:.2f} GiB   step p50 {self.step_time_p50_s * 1e3:.1f} ms   "
+            f"data wait {self.data_wait_fraction * 100:.2f} %",
+            f"  final loss {self.final_loss:.4f}" + (f"   eval loss {self.eval_loss:.4f} (perplexity "
+                                                      f"{self.eval_perplexity:.2f})" if self.eval_loss is not None else ""),
+        ]
+        if self.model_dir:
+            rows.append(f"  model: {self.model_dir}")
+        return "\n".join(rows)
+
+    __repr__ = __str__  # pyflyte prints outputs (and tuples of them) through repr
