@@ -4,10 +4,10 @@ charts/fuseforge is rendered for the default and a multi-node/multi-GPU values f
 validated against the Kubernetes JSON schemas (kubernetes-validate, offline), the GPU PodTemplate,
 RBAC scopes and platform.toml are asserted, and bad values must be rejected by values.schema.json.
 
-The upstream flyte-binary chart cannot be downloaded here (only package registries are reachable),
-so the umbrella is rendered from a temporary copy whose Chart.yaml lists only the vendored platform
-subchart: the same manifests `helm install --set flyte-binary.enabled=false` produces. The Flyte
-values the umbrella hands to flyte-binary are checked as data, and Chart.lock by helm itself.
+The whole release is rendered offline, Flyte included: the flyte-binary chart Chart.lock pins is
+vendored as charts/fuseforge/charts/flyte-binary-<version>.tgz (see charts/fuseforge/README.md), so the
+Flyte Deployment, its config and RBAC are rendered from the real chart and checked against what our
+values set. Chart.lock is checked by helm itself (`helm dependency build` and `helm dependency list`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,11 @@ FLYTE_NAMESPACE = "flyte"
 K8S_VERSIONS = ("1.32.0", kubernetes_validate.latest_version())
 READ_ONLY_VERBS = {"get", "list", "watch"}
 PYTORCHJOB_API = "kubeflow.org/v1/PyTorchJob"
+FLYTE_VERSION = next(
+    d["version"] for d in yaml.safe_load((CHART / "Chart.lock").read_text())["dependencies"] if d["name"] == "flyte-binary"
+)
+FLYTE_ARCHIVE = CHART / "charts" / f"flyte-binary-{FLYTE_VERSION}.tgz"
+FLYTE_FULLNAME = f"{RELEASE}-flyte-binary"  # flyte-binary's fullname: its Deployment and ServiceAccount
 
 
 # ----------------------------------------------------------------------------------------- helm
@@ -91,16 +96,10 @@ def helm(tmp_path_factory) -> Helm:
 
 
 @pytest.fixture(scope="session")
-def umbrella(tmp_path_factory) -> Path:
-    """charts/fuseforge without its remote dependencies (see the module docstring)."""
-    chart = tmp_path_factory.mktemp("offline") / "fuseforge"
-    shutil.copytree(CHART, chart, ignore=shutil.ignore_patterns("*.tgz"))
-    meta = yaml.safe_load((chart / "Chart.yaml").read_text())
-    meta["dependencies"] = [dep for dep in meta["dependencies"] if not dep.get("repository")]
-    assert [dep["name"] for dep in meta["dependencies"]] == ["platform"]
-    (chart / "Chart.yaml").write_text(yaml.safe_dump(meta, sort_keys=False))
-    (chart / "Chart.lock").unlink()
-    return chart
+def umbrella() -> Path:
+    """charts/fuseforge itself, with every dependency: platform unpacked, flyte-binary vendored."""
+    assert FLYTE_ARCHIVE.is_file(), f"{FLYTE_ARCHIVE.relative_to(ROOT)} is missing: see charts/fuseforge/README.md"
+    return CHART
 
 
 # ----------------------------------------------------------------------------------------- values
@@ -126,11 +125,36 @@ def platform_values(*values_files: Path) -> dict:
     return values
 
 
+def flyte_values(*values_files: Path) -> dict:
+    """What the umbrella's values files hand to flyte-binary (over flyte-binary's own defaults)."""
+    values: dict = {}
+    for path in (CHART / "values.yaml", *values_files):
+        _merge(values, yaml.safe_load(path.read_text()).get("flyte-binary") or {})
+    return values
+
+
+def from_chart(docs: Sequence[dict], chart: str) -> List[dict]:
+    """The manifests a (sub)chart rendered, by their helm.sh/chart label (name-version)."""
+    return [
+        doc for doc in docs
+        if (doc["metadata"].get("labels") or {}).get("helm.sh/chart", "").rsplit("-", 1)[0] == chart
+    ]
+
+
+def platform_docs(docs: Sequence[dict]) -> List[dict]:
+    return from_chart(docs, "platform")
+
+
 @dataclass
 class Rendered:
     name: str
     values: dict  # effective platform values
-    docs: List[dict]
+    release: List[dict]  # every manifest of the release: platform, Flyte, the umbrella's own
+
+    @property
+    def docs(self) -> List[dict]:
+        """The platform subchart's manifests."""
+        return platform_docs(self.release)
 
     def of_kind(self, kind: str) -> List[dict]:
         return [doc for doc in self.docs if doc["kind"] == kind]
@@ -162,7 +186,7 @@ SCENARIOS = {"default": (), "multinode": (MULTINODE_VALUES,)}
 def rendered(request, helm, umbrella) -> Rendered:
     files = SCENARIOS[request.param]
     args = [arg for path in files for arg in ("-f", str(path))]
-    docs = helm.render(umbrella, *args, "--set", "flyte-binary.enabled=false")
+    docs = helm.render(umbrella, *args)
     return Rendered(request.param, platform_values(*files), docs)
 
 
@@ -220,8 +244,8 @@ def test_lint_strict(helm, umbrella, which, values_files):
 
 @pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
 def test_every_manifest_matches_the_kubernetes_schema(rendered, k8s_version):
-    assert rendered.docs
-    for doc in rendered.docs:
+    assert rendered.docs and from_chart(rendered.release, "flyte-binary")  # platform and Flyte both rendered
+    for doc in rendered.release:
         where = f"{doc['kind']} {doc['metadata'].get('namespace')}/{doc['metadata']['name']}"
         try:
             kubernetes_validate.validate(doc, k8s_version, strict=True)
@@ -318,7 +342,7 @@ def test_gpu_count_and_shm_size_come_from_values(helm, umbrella, gpus, shm):
         assert shm_volume["emptyDir"]["sizeLimit"] == shm
     from fuseforge_flyte.config import config_from_dict
 
-    for configmap in (d for d in docs if d["kind"] == "ConfigMap"):
+    for configmap in (d for d in platform_docs(docs) if d["kind"] == "ConfigMap"):
         config = platform_toml(configmap)
         assert config["cluster"]["gpus"] == gpus
         assert "elastic" not in config  # workers per pod follow [cluster].gpus in fuseforge_flyte.config
@@ -616,7 +640,7 @@ def test_platform_toml_settings_round_trip_through_toml(helm, umbrella, tmp_path
     }
     values = _write_values(tmp_path, {"platform": {"platformConfig": {"settings": settings}}})
     docs = helm.render(umbrella, "-f", str(values))
-    config = platform_toml(next(d for d in docs if d["kind"] == "ConfigMap"))
+    config = platform_toml(next(d for d in platform_docs(docs) if d["kind"] == "ConfigMap"))
     assert config["training"] == settings["training"]
     assert config["odd keys"] == settings["odd keys"]
     assert config["runs"] == settings["runs"]
@@ -627,7 +651,9 @@ def test_platform_toml_content_is_used_verbatim(helm, umbrella, tmp_path):
     content = '[flyte]\nproject = "fuseforge"\ndomain = "development"\n'
     values = _write_values(tmp_path, {"platform": {"platformConfig": {"content": content}}})
     docs = helm.render(umbrella, "-f", str(values))
-    for configmap in (d for d in docs if d["kind"] == "ConfigMap"):
+    configmaps = [d for d in platform_docs(docs) if d["kind"] == "ConfigMap"]
+    assert configmaps
+    for configmap in configmaps:
         assert configmap["data"]["platform.toml"].strip() == content.strip()
 
 

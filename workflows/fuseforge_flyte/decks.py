@@ -47,7 +47,7 @@ def _metric_rows(m: TrainMetrics) -> List[Tuple[str, str]]:
     return [
         ("tokens/s", f"{m.tokens_per_s:,.1f}"),
         ("samples/s", f"{m.samples_per_s:,.2f}"),
-        ("MFU", f"{m.mfu * 100:.1f} %" if m.mfu else "n/a (device peak unknown)"),
+        ("MFU", _mfu(m)),
         ("peak memory", f"{m.peak_memory_gib:.3f} {_GIB}"),
         ("step time p50 / p90 / p99", f"{m.step_time_p50_s * 1e3:.1f} / {m.step_time_p90_s * 1e3:.1f} / {m.step_time_p99_s * 1e3:.1f} ms"),
         ("final loss", f"{m.final_loss:.4f}"),
@@ -62,6 +62,11 @@ def _metric_rows(m: TrainMetrics) -> List[Tuple[str, str]]:
         ("restarts / steps redone / skipped", f"{m.restarts} / {m.steps_redone} / {m.skipped_steps}"),
         ("resumed from step", str(m.resumed_from_step)),
     ]
+
+
+def _mfu(m: TrainMetrics) -> str:
+    """One way to show MFU in every Deck: a share of the device's peak, or why there is none."""
+    return f"{m.mfu * 100:.1f} %" if m.mfu else "n/a (device peak unknown)"
 
 
 def _describe_setup(m: TrainMetrics) -> str:
@@ -93,6 +98,8 @@ def training_deck_html(m: TrainMetrics) -> str:
             ax.plot(list(m.eval_steps), list(m.eval_loss_curve), marker="o", label="eval")
             ax.legend()
         ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+        if ylabel == _GIB:
+            ax.set_ylim(bottom=0)  # memory from zero: a flat 18.4 GiB must not look like a swing
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     return (
@@ -122,7 +129,7 @@ def comparison_deck_html(c: Comparison) -> str:
     rows = [
         ("tokens/s", f"{wo.tokens_per_s:,.1f}", f"{w.tokens_per_s:,.1f}", _change(w.tokens_per_s, wo.tokens_per_s)),
         ("samples/s", f"{wo.samples_per_s:,.2f}", f"{w.samples_per_s:,.2f}", _change(w.samples_per_s, wo.samples_per_s)),
-        ("MFU", f"{wo.mfu * 100:.1f} %", f"{w.mfu * 100:.1f} %", _change(w.mfu, wo.mfu)),
+        ("MFU", _mfu(wo), _mfu(w), _change(w.mfu, wo.mfu)),
         ("peak memory (GiB)", f"{wo.peak_memory_gib:.3f}", f"{w.peak_memory_gib:.3f}",
          f"{-c.memory_reduction_pct:+.1f} %"),
         ("step time p50 (ms)", f"{wo.step_time_p50_s * 1e3:.1f}", f"{w.step_time_p50_s * 1e3:.1f}",
@@ -144,6 +151,7 @@ def comparison_deck_html(c: Comparison) -> str:
     for ax, (title, base, fused) in zip(axes, bars):
         ax.bar_label(ax.bar(labels, [base, fused], color=colors), fmt="%.4g")
         ax.set_title(title)
+        ax.set_ylim(bottom=0, top=max(base, fused) * 1.15 or 1)  # from zero, room for the labels
         ax.grid(axis="y", alpha=0.3)
     for metrics, label, color in ((wo, "without kernels", colors[0]), (w, "with kernels", colors[1])):
         xs, xlabel = _steps_axis(metrics.loss_curve, metrics.steps)

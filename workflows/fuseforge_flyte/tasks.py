@@ -181,6 +181,7 @@ def training_task_options(config: PlatformConfig, check_inputs: Optional[Callabl
         environment={RESOLVED_CONFIG_ENV: config.to_json(), SHARED_STORE_ENV: "1"},
         retries=config.flyte.retries,
         enable_deck=True,
+        deck_fields=(),  # only our metrics Deck: the console opens on it, not on flytekit's Timeline
     )
     if cluster.accelerator:
         options["accelerator"] = GPUAccelerator(cluster.accelerator)
@@ -213,6 +214,7 @@ def summary_task_options(config: PlatformConfig) -> Dict[str, Any]:
         limits=Resources(mem="2Gi"),
         environment={RESOLVED_CONFIG_ENV: config.to_json()},
         enable_deck=True,
+        deck_fields=(),  # only our metrics Deck: the console opens on it, not on flytekit's Timeline
     )
 
 
