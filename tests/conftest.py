@@ -64,6 +64,30 @@ def sync_target_check(monkeypatch):
     monkeypatch.setattr(targets, "TARGET_CHECK", "sync")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Training tests on 2 cores with 2 workers: one thread each; forked workers must not inherit an OpenMP pool."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def deepspeed_on_cpu():
+    """DeepSpeed without its JIT-built shared-memory op (inference all-reduce only; gloo does ours):
+    its CPU backend would compile it for a minute on first use (FUSEFORGE_TEST_DS_SHM=1 keeps it)."""
+    import importlib
+
+    deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed not installed (optional extra)")
+    comm_torch = importlib.import_module("deepspeed.comm.torch")
+    original = comm_torch.build_shm_op
+    if os.environ.get("FUSEFORGE_TEST_DS_SHM") != "1":
+        comm_torch.build_shm_op = lambda: None
+    yield deepspeed
+    comm_torch.build_shm_op = original
+
+
 def pytest_report_header(config):
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
     return f"fuseforge tests on {DEVICE} (Triton interpreter: {interp})"

@@ -7,7 +7,6 @@ reproduce the uninterrupted loss curve bit for bit.
 """
 
 import hashlib
-import importlib
 import json
 import logging
 import os
@@ -190,16 +189,6 @@ def test_rng_states_roundtrip():
 # ---------------------------------------------------------------- issue 16: verified before anything is loaded
 
 
-@pytest.fixture(scope="module")
-def deepspeed_on_cpu():
-    """DeepSpeed's CPU backend would JIT-compile a shm all-reduce op it does not need here (see test_distributed)."""
-    deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed not installed (optional extra)")
-    comm_torch = importlib.import_module("deepspeed.comm.torch")
-    original = comm_torch.build_shm_op
-    if os.environ.get("FUSEFORGE_TEST_DS_SHM") != "1":
-        comm_torch.build_shm_op = lambda: None
-    yield deepspeed
-    comm_torch.build_shm_op = original
 
 
 @pytest.fixture(scope="module")
@@ -414,7 +403,7 @@ def test_object_store_without_a_key_is_refused_before_training(monkeypatch):
 def test_a_key_can_be_required_for_a_local_directory(tmp_path, monkeypatch):
     """For a local copy of remote data (e.g. Flyte's intra-task checkpoint restored from the bucket)."""
     monkeypatch.setenv("FUSEFORGE_CHECKPOINT_REQUIRE_KEY", "1")
-    with pytest.raises(CheckpointError, match=f"FUSEFORGE_CHECKPOINT_REQUIRE_KEY is set and no checkpoint key"):
+    with pytest.raises(CheckpointError, match="FUSEFORGE_CHECKPOINT_REQUIRE_KEY is set and no checkpoint key"):
         train(_spec(tmp_path))
     assert not os.listdir(tmp_path)
     monkeypatch.setenv(KEY_ENV, KEY)

@@ -11,7 +11,6 @@ inference all-reduce, so these tests replace its builder with "not available"
 (gloo does all the collectives). Set FUSEFORGE_TEST_DS_SHM=1 to build it instead.
 """
 
-import importlib
 import math
 import os
 
@@ -45,22 +44,10 @@ def _launch(spec, nproc=2, **kwargs):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 cores, 2 workers; forked workers must not inherit an OpenMP pool
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Every test of this module on one torch thread (see conftest)."""
 
 
-@pytest.fixture(scope="module")
-def deepspeed_on_cpu():
-    deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed not installed (optional extra)")
-    comm_torch = importlib.import_module("deepspeed.comm.torch")
-    original = comm_torch.build_shm_op
-    if os.environ.get("FUSEFORGE_TEST_DS_SHM") != "1":
-        comm_torch.build_shm_op = lambda: None
-    yield deepspeed
-    comm_torch.build_shm_op = original
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from flytekit.types.directory import FlyteDirectory
 
 from fuseforge_flyte.comparison import Comparison
 from fuseforge_flyte.config import load_config
-from fuseforge_flyte.tasks import CONFIG, DataSource, training_task_options
+from fuseforge_flyte.tasks import DataSource, training_task_options
 from fuseforge_flyte.training.spec import TrainMetrics
 from fuseforge_flyte.workflows import _prepared, compare, demo, train
 

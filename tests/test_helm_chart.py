@@ -46,6 +46,7 @@ FLYTE_NAMESPACE = "flyte"
 K8S_VERSIONS = ("1.32.0", kubernetes_validate.latest_version())
 READ_ONLY_VERBS = {"get", "list", "watch"}
 PYTORCHJOB_API = "kubeflow.org/v1/PyTorchJob"
+YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when there: the release is ~1300 lines
 FLYTE_VERSION = next(
     d["version"] for d in yaml.safe_load((CHART / "Chart.lock").read_text())["dependencies"] if d["name"] == "flyte-binary"
 )
@@ -72,7 +73,7 @@ class Helm:
     def render(self, chart: Path, *args: str) -> List[dict]:
         proc = self.template(chart, *args)
         assert proc.returncode == 0, f"helm template failed:\n{proc.stderr}"
-        return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+        return [doc for doc in yaml.load_all(proc.stdout, Loader=YAML_LOADER) if doc]
 
 
 @pytest.fixture(scope="session")
@@ -494,19 +495,78 @@ def test_pod_security_level_and_labels_come_from_values(helm, umbrella, tmp_path
         assert labels["team"] == "ml"
 
 
-def test_flyte_deployment_runs_without_privileges():
-    """flyte-binary's pod and init containers get the restricted security context and pinned images."""
-    flyte = yaml.safe_load((CHART / "values.yaml").read_text())["flyte-binary"]
-    deployment = flyte["deployment"]
-    pod = {k: v for k, v in deployment["podSecurityContext"].items() if k != "enabled"}
-    assert deployment["podSecurityContext"]["enabled"] is True  # flyte-binary renders it only then
-    containers = [
-        {"name": "flyte", "securityContext": deployment["securityContext"]},
-        {"name": "wait-for-db", "securityContext": deployment["waitForDB"]["securityContext"]},
-        {"name": "gen-admin-auth-secret", "securityContext": deployment["genAdminAuthSecret"]["securityContext"]},
+def flyte_deployment(docs: Sequence[dict], name: str = FLYTE_FULLNAME) -> dict:
+    """flyte-binary's one Deployment in a rendered release."""
+    (deployment,) = [d for d in from_chart(docs, "flyte-binary") if d["kind"] == "Deployment"]
+    assert deployment["metadata"]["name"] == name
+    assert deployment["metadata"]["labels"]["helm.sh/chart"] == f"flyte-binary-{FLYTE_VERSION}"  # the locked chart
+    return deployment
+
+
+def flyte_config(docs: Sequence[dict]) -> Dict[str, dict]:
+    """flyte-binary's configuration files (its ConfigMap <fullname>-config), parsed."""
+    (configmap,) = [
+        d for d in from_chart(docs, "flyte-binary")
+        if d["kind"] == "ConfigMap" and d["metadata"]["name"] == f"{FLYTE_FULLNAME}-config"
     ]
-    assert restricted_violations({"securityContext": pod, "containers": containers}) == []
-    assert pod["runAsUser"] > 0
+    return {name: yaml.safe_load(text) for name, text in configmap["data"].items()}
+
+
+def test_flyte_deployment_gets_our_values(rendered):
+    """What values.yaml sets for flyte-binary shows up in the rendered Deployment, config and RBAC."""
+    values = flyte_values(*SCENARIOS[rendered.name])
+    ours = values["deployment"]
+    pod = flyte_deployment(rendered.release)["spec"]["template"]["spec"]
+    containers = {c["name"]: c for c in pod["containers"]}
+    init = {c["name"]: c for c in pod["initContainers"]}
+    assert set(containers) == {"flyte"} and set(init) == {"wait-for-db"}  # gen-admin-auth-secret: auth only
+    flyte, wait_for_db = containers["flyte"], init["wait-for-db"]
+    # Images: Flyte's pinned to the locked chart's version, PostgreSQL's client to ours.
+    assert flyte["image"] == f"{ours['image']['repository']}:{FLYTE_VERSION}"
+    assert wait_for_db["image"] == "{repository}:{tag}".format(**ours["waitForDB"]["image"])
+    # Security contexts exactly as set, and the pod passes the restricted Pod Security level.
+    assert pod["securityContext"] == {k: v for k, v in ours["podSecurityContext"].items() if k != "enabled"}
+    assert pod["securityContext"]["runAsUser"] > 0
+    assert flyte["securityContext"] == ours["securityContext"]
+    assert wait_for_db["securityContext"] == ours["waitForDB"]["securityContext"]
+    assert restricted_violations(pod) == []
+    # The database password: a file of the existing Secret's volume, named in Flyte's database config.
+    for volume in ours["extraVolumes"]:
+        assert volume in pod["volumes"]
+    for mount in ours["extraVolumeMounts"]:
+        assert mount in flyte["volumeMounts"]
+    database = values["configuration"]["database"]
+    config = flyte_config(rendered.release)
+    postgres = config["002-database.yaml"]["database"]["postgres"]
+    assert "password" not in postgres
+    assert {k: postgres[k] for k in ("host", "port", "dbname", "username", "options", "passwordPath")} == database
+    (mount,) = [m for m in flyte["volumeMounts"] if Path(m["mountPath"]) == Path(database["passwordPath"]).parent]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "fuseforge-flyte-db"
+    # Task and k8s plugin settings are Flyte's last configuration file.
+    assert config["100-inline-config.yaml"] == values["configuration"]["inline"]
+    # Only the platform's projects are seeded (flyte-binary's defaults also seed "flytesnacks").
+    admin = config["000-core.yaml"]["flyte"]["admin"]
+    seeded = set(admin["seedProjects"]) | {p["name"] for p in admin["seedProjectsWithDetails"]}
+    assert seeded and seeded <= set(rendered.values["projects"])
+    # Our extra rules are in the ClusterRole that Flyte's ServiceAccount is bound to.
+    (role,) = [d for d in from_chart(rendered.release, "flyte-binary") if d["kind"] == "ClusterRole"]
+    (binding,) = [d for d in from_chart(rendered.release, "flyte-binary") if d["kind"] == "ClusterRoleBinding"]
+    assert all(rule in role["rules"] for rule in values["rbac"]["extraRules"])
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": FLYTE_NAMESPACE}]
+
+
+def test_flyte_auth_init_container_is_pinned_and_unprivileged(helm, umbrella, tmp_path):
+    ours = flyte_values()["deployment"]
+    docs = helm.render(umbrella, "-f", str(_write_values(tmp_path, AUTH_ON)))
+    pod = flyte_deployment(docs)["spec"]["template"]["spec"]
+    (gen,) = [c for c in pod["initContainers"] if c["name"] == "gen-admin-auth-secret"]
+    assert gen["image"] == f"{ours['image']['repository']}:{FLYTE_VERSION}"
+    assert gen["securityContext"] == ours["genAdminAuthSecret"]["securityContext"]
+    assert restricted_violations(pod) == []
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSIONS[0], strict=True)
 
 
 # ----------------------------------------------------------------------------------------- images
@@ -524,23 +584,38 @@ def images_in(docs: Sequence[dict]) -> List[str]:
     return found
 
 
+def image_tag(image: str) -> str:
+    match = IMAGE_TAG.match(image.rsplit("/", 1)[-1] if "/" in image else image)
+    assert match, f"{image} has no tag (that is :latest)"
+    assert match["tag"] != "latest", image
+    return match["tag"]
+
+
 @pytest.mark.parametrize("tag", ["", "v1.2.3"])
 def test_rendered_images_always_carry_a_pinned_tag(helm, umbrella, tag):
     docs = helm.render(umbrella, "--set-string", f"platform.image.tag={tag}")
-    images = images_in(docs)
-    assert images
-    for image in images:
-        match = IMAGE_TAG.match(image.rsplit("/", 1)[-1] if "/" in image else image)
-        assert match, f"{image} has no tag (that is :latest)"
-        assert match["tag"] != "latest", image
-        assert match["tag"] == (tag or "set-by-flyte-task"), image
+    platform_images = images_in(platform_docs(docs))
+    assert platform_images
+    for image in platform_images:
+        assert image_tag(image) == (tag or "set-by-flyte-task"), image
+    # Flyte's own pod, and the co-pilot sidecar image it puts into task pods (named in its config).
+    flyte_images = images_in(from_chart(docs, "flyte-binary"))
+    copilot = flyte_config(docs)["001-plugins.yaml"]["plugins"]["k8s"]["co-pilot"]["image"]
+    assert len(flyte_images) == 2  # flyte, wait-for-db
+    assert [image_tag(image) for image in images_in(docs)]  # every image of the release is pinned
+    assert image_tag(copilot) == image_tag(flyte_deployment(docs)["spec"]["template"]["spec"]["containers"][0]["image"]) == FLYTE_VERSION
 
 
 def test_flyte_images_are_pinned_to_the_locked_chart():
     flyte = yaml.safe_load((CHART / "values.yaml").read_text())["flyte-binary"]
-    lock = yaml.safe_load((CHART / "Chart.lock").read_text())
-    (locked,) = [d["version"] for d in lock["dependencies"] if d["name"] == "flyte-binary"]
-    assert flyte["deployment"]["image"]["tag"] == locked  # flyte-binary's own default is "latest"
+    with tarfile.open(FLYTE_ARCHIVE) as tar:
+        chart_values = yaml.safe_load(tar.extractfile("flyte-binary/values.yaml"))
+    # The released chart's own default image (flyte-binary-release:<version>; the flyte-binary repository
+    # has no version tags), set explicitly so that values.schema.json can refuse "latest".
+    expected = {k: chart_values["deployment"]["image"][k] for k in ("repository", "tag")}
+    assert flyte["deployment"]["image"] == expected == {
+        "repository": "cr.flyte.org/flyteorg/flyte-binary-release", "tag": FLYTE_VERSION,
+    }
     postgres = flyte["deployment"]["waitForDB"]["image"]
     assert postgres["repository"] == "postgres"
     assert re.fullmatch(r"\d+\.\d+(-alpine[\d.]*)?", postgres["tag"]), postgres  # a minor release, not "15-alpine"
@@ -549,22 +624,36 @@ def test_flyte_images_are_pinned_to_the_locked_chart():
 # ----------------------------------------------------------------------------------------- network
 
 
-def test_flyte_admin_is_reachable_only_from_its_namespace_and_the_ingress(helm, umbrella, tmp_path):
-    docs = helm.render(umbrella)  # flyte-binary.enabled (its manifests are not rendered offline)
-    values = yaml.safe_load((CHART / "values.yaml").read_text())
+def flyte_admin_policy(docs: Sequence[dict], flyte_name: str = FLYTE_FULLNAME) -> dict:
     (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["namespace"] == FLYTE_NAMESPACE]
+    # It selects exactly Flyte's pod: the rendered Deployment's selector, a subset of its pod's labels.
+    deployment = flyte_deployment(docs, flyte_name)
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector == deployment["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    return policy
+
+
+def test_flyte_admin_is_reachable_only_from_its_namespace_and_the_ingress(helm, umbrella, tmp_path):
+    docs = helm.render(umbrella)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    policy = flyte_admin_policy(docs)
     kubernetes_validate.validate(policy, K8S_VERSIONS[0], strict=True)
     spec = policy["spec"]
-    # flyte-binary's pod selector labels (name, instance, component).
-    assert spec["podSelector"] == {"matchLabels": {
+    assert spec["podSelector"]["matchLabels"] == {
         "app.kubernetes.io/name": "flyte-binary", "app.kubernetes.io/instance": RELEASE,
         "app.kubernetes.io/component": "flyte-binary",
-    }}
+    }
     assert spec["policyTypes"] == ["Ingress"]
     api, webhook = spec["ingress"]
     assert {p["port"] for p in api["ports"]} == {8088, 8089}
+    # Every port Flyte's pod opens is covered by one of the two rules.
+    pod = flyte_deployment(docs)["spec"]["template"]["spec"]
+    assert {p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])} == {8088, 8089, 9443}
     assert api["from"] == [{"podSelector": {}}, *values["networkPolicy"]["adminFrom"]]  # own namespace + ingress
     assert "from" not in webhook and [p["port"] for p in webhook["ports"]] == [9443]  # the API server calls it
+    renamed = ("--set", "flyte-binary.nameOverride=flyte")
+    flyte_admin_policy(helm.render(umbrella, *renamed), f"{RELEASE}-flyte")  # still Flyte's pod
 
     off = helm.render(umbrella, "--set", "networkPolicy.enabled=false")
     assert not [d for d in off if d["kind"] == "NetworkPolicy" and d["metadata"]["namespace"] == FLYTE_NAMESPACE]
@@ -772,7 +861,8 @@ def test_charts_package_offline_and_render_from_the_archive(helm, umbrella, tmp_
     with tarfile.open(archive) as tar:
         names = set(tar.getnames())
     for member in ("values.schema.json", "charts/platform/values.schema.json",
-                   "charts/platform/templates/gpu-podtemplate.yaml", "templates/NOTES.txt"):
+                   "charts/platform/templates/gpu-podtemplate.yaml", "templates/NOTES.txt",
+                   "charts/flyte-binary/templates/deployment.yaml"):
         assert f"fuseforge/{member}" in names
     assert helm.render(archive) == helm.render(umbrella)
 
@@ -794,6 +884,20 @@ def test_chart_lock_is_in_sync_and_pins_flyte_1_16(helm, tmp_path):
     assert "out of sync" not in proc.stderr, proc.stderr
     if proc.returncode != 0:
         assert "https://flyteorg.github.io/flyte" in proc.stderr, proc.stderr
+
+
+def test_vendored_flyte_chart_is_the_locked_one(helm):
+    """charts/ holds exactly the locked flyte-binary archive, and helm finds it in order offline."""
+    assert sorted(p.name for p in (CHART / "charts").glob("*.tgz")) == [FLYTE_ARCHIVE.name]
+    with tarfile.open(FLYTE_ARCHIVE) as tar:
+        meta = yaml.safe_load(tar.extractfile("flyte-binary/Chart.yaml"))
+        names = set(tar.getnames())
+    assert (meta["name"], meta["version"], meta["appVersion"]) == ("flyte-binary", FLYTE_VERSION, "1.16.0")
+    assert "flyte-binary/templates/deployment.yaml" in names
+    proc = helm.run("dependency", "list", str(CHART))
+    assert proc.returncode == 0, proc.stderr
+    status = {line.split()[0]: line.split()[-1] for line in proc.stdout.splitlines()[1:] if line.strip()}
+    assert status == {"platform": "unpacked", "flyte-binary": "ok"}, proc.stdout
 
 
 # ----------------------------------------------------------------------------------------- Flyte values
@@ -828,16 +932,27 @@ def test_flyte_binary_values_enable_pytorch_jobs_on_gpus():
     assert not any("*" in item for rule in flyte["rbac"]["extraRules"] for f in rule.values() for item in f)
 
 
-def install_notes(helm, umbrella, *args: str) -> str:
+def install_dry_run(helm, umbrella, *args: str) -> tuple[List[dict], str]:
+    """The manifests and the notes of `helm install --dry-run=client`."""
     proc = helm.run("install", RELEASE, str(umbrella), "--namespace", FLYTE_NAMESPACE, "--dry-run=client", *args)
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout.split("NOTES:", 1)[1]
+    manifest, notes = proc.stdout.split("\nMANIFEST:\n", 1)[1].split("\nNOTES:\n", 1)
+    return [doc for doc in yaml.load_all(manifest, Loader=YAML_LOADER) if doc], notes
+
+
+def install_notes(helm, umbrella, *args: str) -> str:
+    return install_dry_run(helm, umbrella, *args)[1]
 
 
 def test_install_notes_tell_how_to_run_and_reach_the_console(helm, umbrella):
-    notes = install_notes(helm, umbrella)
+    docs, notes = install_dry_run(helm, umbrella)
     assert "--service-account fuseforge-training" in notes
-    assert f"port-forward service/{RELEASE}-flyte-binary 8088:8088 8089:8089" in notes
+    # flyte-binary has no Service serving both ports (<fullname>-http and -grpc): forward its Deployment.
+    assert f"port-forward deployment/{FLYTE_FULLNAME} 8088:8088 8089:8089" in notes
+    flyte_deployment(docs)  # the Deployment the notes name exists
+    docs, notes = install_dry_run(helm, umbrella, "--set", "flyte-binary.nameOverride=flyte")
+    assert f"port-forward deployment/{RELEASE}-flyte 8088:8088 8089:8089" in notes
+    flyte_deployment(docs, f"{RELEASE}-flyte")
     assert "fuseforge-development, fuseforge-staging, fuseforge-production" in notes
     assert f"NetworkPolicy {RELEASE}-flyte-admin" in notes
     assert "password read from /etc/flyte/db/password (an existing Secret)" in notes

@@ -5,7 +5,6 @@ start_method "fork" (as in test_distributed.py). The export is loaded back in a 
 import fuseforge, the way a user without fuseforge installed would load it.
 """
 
-import importlib
 import json
 import os
 import subprocess
@@ -59,23 +58,10 @@ def _single_process_env(monkeypatch):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 cores, 2 workers; forked workers must not inherit an OpenMP pool
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Every test of this module on one torch thread (see conftest)."""
 
 
-@pytest.fixture(scope="module")
-def deepspeed_on_cpu():
-    """DeepSpeed without its JIT-built shared-memory op (inference all-reduce only; gloo does ours)."""
-    deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed not installed (optional extra)")
-    comm_torch = importlib.import_module("deepspeed.comm.torch")
-    original = comm_torch.build_shm_op
-    if os.environ.get("FUSEFORGE_TEST_DS_SHM") != "1":
-        comm_torch.build_shm_op = lambda: None
-    yield deepspeed
-    comm_torch.build_shm_op = original
 
 
 def _launch(fn, *args):

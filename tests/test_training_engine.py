@@ -21,11 +21,8 @@ TINY = dict(model="tiny-llama", dataset="bench:bytes", batch_size=4, seq_len=32,
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_torch_thread):
+    """Every test of this module on one torch thread (see conftest)."""
 
 
 # ---------------------------------------------------------------- training

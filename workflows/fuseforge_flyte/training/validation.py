@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import typing
 
 from fuseforge_flyte.data.spec import DATA_FORMATS
