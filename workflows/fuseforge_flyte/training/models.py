@@ -17,6 +17,7 @@ from typing import Dict, Optional
 
 import torch
 
+from fuseforge_flyte.data.spec import is_uri, local_path
 from fuseforge_flyte.training.data import BYTE_VOCAB_SIZE
 
 _TINY = dict(vocab_size=BYTE_VOCAB_SIZE, num_hidden_layers=2, max_position_embeddings=4096)
@@ -85,17 +86,6 @@ _BIN_PREFIX, _BIN_SUFFIX = "pytorch_model", ".bin"
 _OTHER_WEIGHT_SUFFIXES = (".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
 
 
-def is_uri(name: str) -> bool:
-    return "://" in name
-
-
-def _local_path(name: str) -> str:
-    """`name` as a local path: file:// stripped; '' for other URIs."""
-    if name.startswith("file://"):
-        return name[len("file://"):]
-    return "" if is_uri(name) else name
-
-
 def _known_protocol(name: str) -> bool:
     import fsspec
 
@@ -107,7 +97,7 @@ def is_known_model(name: str) -> bool:
     """A preset, an existing local path (or file:// URI), an fsspec URI, or something shaped like an HF id."""
     if name in PRESETS:
         return True
-    local = _local_path(name)
+    local = local_path(name)
     if local:
         return os.path.exists(local) or (not is_uri(name) and _looks_like_hf_id(name))
     return is_uri(name) and _known_protocol(name)
@@ -175,7 +165,7 @@ def load_config(name: str, vocab_size: Optional[int] = None):
                 raise ValueError(f"load_config({name!r}): vocab_size must be positive, got {vocab_size}")
             kwargs = dict(kwargs, vocab_size=int(vocab_size))
         return CONFIG_MAPPING[model_type](**kwargs)
-    local = _local_path(name)
+    local = local_path(name)
     if local and os.path.exists(local):
         path = os.path.join(local, "config.json") if os.path.isdir(local) else local
         if not os.path.isfile(path):
@@ -282,7 +272,7 @@ def _pretrained_dir(name: str) -> Optional[str]:
     """The local directory to load pretrained weights from, or None when `name` means random init / hub id."""
     if name in PRESETS:
         return None
-    local = _local_path(name)
+    local = local_path(name)
     if local:
         return local if is_pretrained_dir(local) else None
     if is_uri(name) and _remote_is_pretrained(name):
