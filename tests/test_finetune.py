@@ -101,6 +101,11 @@ def test_trained_model_is_a_hf_directory_and_training_continues_from_it(chat_dat
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= names
     loaded = AutoModelForCausalLM.from_pretrained(out)
     assert loaded.config.vocab_size == 1024 and loaded.config.architectures == ["LlamaForCausalLM"]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)  # a from-scratch model stops where its tokenizer ends a turn
+    assert loaded.generation_config.eos_token_id == tokenizer.eos_token_id == loaded.config.eos_token_id
+    assert loaded.generation_config.pad_token_id == tokenizer.pad_token_id
     # Continue training from the output with a negligible learning rate: the first eval matches the last one.
     again = train(_spec(chat_data, model=out, steps=1, lr=1e-12, warmup_steps=0, eval_every=1))
     assert again.eval_loss == pytest.approx(first.eval_loss, abs=1e-5)

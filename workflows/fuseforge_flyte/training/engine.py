@@ -84,6 +84,7 @@ def _build_model_for(spec: TrainSpec, data: Optional[TrainingData], device: torc
     if data is not None and spec.model in PRESETS:
         vocab_size = data.preset_vocab_size(load_config(spec.model).vocab_size)
         model = build_model(spec.model, seed=spec.seed, device=device, vocab_size=vocab_size)
+        _use_special_tokens_of(data.manifest, model)
     else:
         model = build_model(spec.model, seed=spec.seed, device=device)
     if data is not None:
@@ -91,6 +92,17 @@ def _build_model_for(spec: TrainSpec, data: Optional[TrainingData], device: torc
         if data.manifest.packing and device.type == "cuda" and model.config._attn_implementation != PACKED_ATTENTION:
             model.set_attn_implementation(PACKED_ATTENTION)
     return model
+
+
+def _use_special_tokens_of(manifest, model: torch.nn.Module) -> None:
+    """A from-scratch model speaks the data's tokenizer: its BOS/EOS/PAD ids (which generation stops on and
+    pads with) are the tokenizer's, not the config class's defaults."""
+    ids = {"bos_token_id": manifest.bos_token_id, "eos_token_id": manifest.eos_token_id,
+           "pad_token_id": manifest.pad_token_id}
+    for name, value in ids.items():
+        setattr(model.config, name, value)
+        if getattr(model, "generation_config", None) is not None:
+            setattr(model.generation_config, name, value)
 
 
 class _Run:
