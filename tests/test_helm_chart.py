@@ -12,6 +12,7 @@ values set. Chart.lock is checked by helm itself (`helm dependency build` and `h
 
 from __future__ import annotations
 
+import base64
 import copy
 import fnmatch
 import json
@@ -257,7 +258,7 @@ def test_every_manifest_matches_the_kubernetes_schema(rendered, k8s_version):
 def test_every_task_namespace_gets_the_platform_resources(rendered):
     # No Role or RoleBinding: training needs no Kubernetes API access (see the RBAC tests).
     assert {doc["kind"] for doc in rendered.docs} == {
-        "Namespace", "ServiceAccount", "PodTemplate", "ConfigMap", "NetworkPolicy"
+        "Namespace", "ServiceAccount", "PodTemplate", "ConfigMap", "NetworkPolicy", "Secret"
     }
     namespaces = rendered.of_kind("Namespace")
     assert [ns["metadata"]["name"] for ns in namespaces] == rendered.task_namespaces
@@ -265,7 +266,7 @@ def test_every_task_namespace_gets_the_platform_resources(rendered):
         assert ns["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     base = rendered.values["basePodTemplate"]["name"]
     for ns in rendered.task_namespaces:
-        for kind in ("ServiceAccount", "ConfigMap", "NetworkPolicy"):
+        for kind in ("ServiceAccount", "ConfigMap", "NetworkPolicy", "Secret"):
             rendered.one(kind, ns)
         rendered.gpu_template(ns)
         rendered.one("PodTemplate", ns, base)
@@ -274,6 +275,7 @@ def test_every_task_namespace_gets_the_platform_resources(rendered):
     rendered.gpu_template(rendered.flyte_namespace)
     rendered.one("ConfigMap", rendered.flyte_namespace)
     assert len(rendered.of_kind("PodTemplate")) == 2 * len(rendered.task_namespaces) + 1
+    assert len(rendered.of_kind("Secret")) == len(rendered.task_namespaces)  # the checkpoint keys
 
 
 # ----------------------------------------------------------------------------------------- GPU PodTemplate
@@ -348,6 +350,143 @@ def test_gpu_count_and_shm_size_come_from_values(helm, umbrella, gpus, shm):
         assert config["cluster"]["gpus"] == gpus
         assert "elastic" not in config  # workers per pod follow [cluster].gpus in fuseforge_flyte.config
         assert config_from_dict(config, "ConfigMap").elastic.nproc_per_node == max(gpus, 1)  # one per GPU
+
+
+# ----------------------------------------------------------------------------------------- checkpoint key
+
+KEY_SECRET = "fuseforge-checkpoint-key"  # the Secret the chart creates (checkpointKey.create)
+
+
+def without_generated_keys(docs: Sequence[dict]) -> List[dict]:
+    """The manifests with the checkpoint keys blanked: a render without a cluster generates new ones."""
+    docs = copy.deepcopy(list(docs))
+    for doc in platform_docs(docs):
+        if doc["kind"] == "Secret":
+            doc["data"] = dict.fromkeys(doc["data"], "")
+    return docs
+
+
+def key_mounts(template: dict, values: dict) -> tuple[dict, dict, dict]:
+    """(env, volume mount, volume) of the checkpoint key in a GPU PodTemplate's primary container."""
+    spec = template["template"]["spec"]
+    container = primary_container(template)
+    env = {e["name"]: e.get("value") for e in container.get("env", [])}
+    mounts = [m for m in container["volumeMounts"] if m["mountPath"] == values["checkpointKey"]["mountPath"]]
+    mount = mounts[0] if mounts else {}
+    volumes = [v for v in spec["volumes"] if v["name"] == mount.get("name")]
+    return env, mount, volumes[0] if volumes else {}
+
+
+def assert_key_mounted(template: dict, values: dict, secret_name: str) -> None:
+    ck = values["checkpointKey"]
+    spec = template["template"]["spec"]
+    env, mount, volume = key_mounts(template, values)
+    key_file = f"{ck['mountPath']}/key"
+    assert env["FUSEFORGE_CHECKPOINT_KEY_FILE"] == key_file
+    assert env["FUSEFORGE_CHECKPOINT_REQUIRE_KEY"] == "1"  # a local copy of bucket data is verified too
+    assert "FUSEFORGE_CHECKPOINT_KEY" not in env  # load_key refuses both at once
+    assert mount == {"name": volume["name"], "mountPath": ck["mountPath"], "readOnly": True}
+    # Only the Secret's one key, as the file the environment names; readable by the pod's fsGroup only.
+    assert volume["secret"] == {
+        "secretName": secret_name, "items": [{"key": ck["secretKey"], "path": "key"}], "defaultMode": 0o440,
+    }
+    assert spec["securityContext"]["fsGroup"] == values["podSecurityContext"]["fsGroup"]
+    assert spec["automountServiceAccountToken"] is False
+    # Not inside the platform.toml mount (a mount point in a read-only ConfigMap volume cannot be made).
+    assert not key_file.startswith(values["platformConfig"]["mountPath"].rstrip("/") + "/")
+    # Sidecars do not get it: only the primary (training) container.
+    (default,) = [c for c in spec["containers"] if c["name"] == "default"]
+    assert "env" not in default and "volumeMounts" not in default
+
+
+def test_training_pods_get_a_generated_checkpoint_key(rendered):
+    ck = rendered.values["checkpointKey"]
+    assert ck["create"] is True and ck["existingSecret"] == ""
+    keys = set()
+    for namespace in rendered.task_namespaces:
+        secret = rendered.one("Secret", namespace, KEY_SECRET)
+        assert secret["type"] == "Opaque" and secret["immutable"] is True
+        # helm uninstall leaves it (a reinstall reuses it): a lost key makes every checkpoint unverifiable.
+        assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        assert set(secret["data"]) == {ck["secretKey"]}
+        key = base64.b64decode(secret["data"][ck["secretKey"]], validate=True).decode()
+        assert re.fullmatch(r"[A-Za-z0-9]{48}", key)  # randAlphaNum 48: well over the 16 bytes load_key needs
+        keys.add(key)
+        assert_key_mounted(rendered.gpu_template(namespace), rendered.values, KEY_SECRET)
+    assert len(keys) == len(rendered.task_namespaces)  # one key per namespace, not one shared
+    # The fallback in the Flyte namespace: no Secret there, so neither the volume nor the variables.
+    fallback = rendered.gpu_template(rendered.flyte_namespace)
+    env, mount, volume = key_mounts(fallback, rendered.values)
+    assert not mount and not volume
+    assert not [name for name in env if name.startswith("FUSEFORGE_CHECKPOINT")]
+    assert not any("secret" in v for v in fallback["template"]["spec"]["volumes"])
+    assert not [s for s in rendered.of_kind("Secret") if s["metadata"]["namespace"] == rendered.flyte_namespace]
+    # The base template (tasks that do not train) gets no key either.
+    for namespace in rendered.task_namespaces:
+        base = rendered.one("PodTemplate", namespace, rendered.values["basePodTemplate"]["name"])
+        assert "volumes" not in base["template"]["spec"]
+
+
+def test_training_pods_can_use_an_existing_checkpoint_key_secret(helm, umbrella, tmp_path):
+    ck = {"create": False, "existingSecret": "team-checkpoint-key", "secretKey": "hmac",
+          "mountPath": "/etc/fuseforge-checkpoint-key"}
+    docs = helm.render(umbrella, "-f", str(_write_values(tmp_path, {"platform": {"checkpointKey": ck}})))
+    rendered = Rendered("existing-key", _merge(platform_values(), {"checkpointKey": ck}), docs)
+    assert not rendered.of_kind("Secret")  # the chart neither creates nor holds the key
+    for namespace in rendered.task_namespaces:
+        assert_key_mounted(rendered.gpu_template(namespace), rendered.values, "team-checkpoint-key")
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSIONS[0], strict=True)
+    for template in rendered.of_kind("PodTemplate"):
+        assert restricted_violations(template["template"]["spec"]) == []
+    # The install notes tell how to create it.
+    notes = install_notes(helm, umbrella, "-f", str(tmp_path / "values.json"))
+    assert '--from-literal=hmac="$(openssl rand -hex 32)"' in notes and "team-checkpoint-key" in notes
+
+
+@pytest.mark.parametrize(
+    "checkpoint_key, message",
+    [
+        ({"existingSecret": "mine"}, 'create is true and existingSecret is "mine"'),
+        ({"create": False}, "create is false and no existingSecret is named"),
+    ],
+    ids=["both", "neither"],
+)
+def test_checkpoint_key_needs_exactly_one_source(helm, umbrella, tmp_path, checkpoint_key, message):
+    values = _write_values(tmp_path, {"platform": {"checkpointKey": checkpoint_key}})
+    proc = helm.template(umbrella, "-f", str(values))
+    assert proc.returncode != 0, "accepted"
+    assert "don't meet the specifications of the schema" in proc.stderr  # values.schema.json refuses it
+    assert "/checkpointKey/existingSecret" in proc.stderr, proc.stderr
+    # and the templates too, naming both ways out, should schema validation be skipped
+    proc = helm.template(umbrella, "-f", str(values), "--skip-schema-validation")
+    assert proc.returncode != 0, "accepted"
+    assert message in proc.stderr and "create: false, existingSecret: <name>" in proc.stderr or \
+        message in proc.stderr and "Set create: true, or existingSecret" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"checkpointKey": {"mountPath": "/etc/fuseforge/key"}}, "checkpointKey.mountPath (/etc/fuseforge/key) overlaps /etc/fuseforge"),
+        ({"checkpointKey": {"mountPath": "/dev/shm"}}, "checkpointKey.mountPath (/dev/shm) overlaps /dev/shm"),
+        ({"podSecurityContext": {"fsGroup": None}}, "podSecurityContext.fsGroup is not set"),
+    ],
+    ids=["inside-platform-toml", "on-shm", "no-fsgroup"],
+)
+def test_checkpoint_key_mounts_that_cannot_work_are_rejected(helm, umbrella, tmp_path, values, message):
+    proc = helm.template(umbrella, "-f", str(_write_values(tmp_path, {"platform": values})))
+    assert proc.returncode != 0, "accepted"
+    assert message in proc.stderr, proc.stderr
+
+
+def test_readmes_document_the_checkpoint_key():
+    chart_readme = (CHART / "README.md").read_text()
+    install = (ROOT / "README.md").read_text().split("## Install on a cluster", 1)[1].split("\n## ", 1)[0]
+    for text in (chart_readme, install):
+        assert "checkpointKey.existingSecret" in text
+        assert "rotat" in text.lower()
+        assert "FUSEFORGE_CHECKPOINT_KEY_FILE" in text
 
 
 # ----------------------------------------------------------------------------------------- RBAC
@@ -809,6 +948,18 @@ BAD_VALUES = [
     (["--set", "flyte-binary.configuration.auth.enabled=true"], "/flyte-binary/configuration/auth"),
     (["--set", "flyte-binary.configuration.auth.oidc.clientSecret=s3cret"], "/flyte-binary/configuration/auth/oidc/clientSecret"),
     (["--set", "networkPolicy.enabled=yes"], "/networkPolicy/enabled"),
+    (["--set", "platform.checkpointKey.existingSecret=mine"], "/checkpointKey/existingSecret"),
+    (["--set", "platform.checkpointKey.create=false"], "/checkpointKey/existingSecret"),
+    (["--set", "platform.checkpointKey.existingSecret=Not_A_Name"], "/checkpointKey/existingSecret"),
+    (["--set", "platform.checkpointKey.secretKey=a/b"], "/checkpointKey/secretKey"),
+    (["--set", "platform.checkpointKey.mountPath=relative"], "/checkpointKey/mountPath"),
+    (["--set", "platform.checkpointKey=null"], "checkpointKey"),
+    *[  # the checkpoint key's variables come from checkpointKey (load_key refuses KEY and KEY_FILE together)
+        (["--set", f"platform.gpuPodTemplate.env[0].name={name}", "--set", "platform.gpuPodTemplate.env[0].value=x"],
+         "/gpuPodTemplate/env/0/name")
+        for name in ("FUSEFORGE_CHECKPOINT_KEY", "FUSEFORGE_CHECKPOINT_KEY_FILE", "FUSEFORGE_CHECKPOINT_REQUIRE_KEY")
+    ],
+    (["--set", "platform.podSecurityContext.fsGroupChangePolicy=Sometimes"], "/podSecurityContext/fsGroupChangePolicy"),
 ]
 
 
@@ -864,7 +1015,7 @@ def test_charts_package_offline_and_render_from_the_archive(helm, umbrella, tmp_
                    "charts/platform/templates/gpu-podtemplate.yaml", "templates/NOTES.txt",
                    "charts/flyte-binary/templates/deployment.yaml"):
         assert f"fuseforge/{member}" in names
-    assert helm.render(archive) == helm.render(umbrella)
+    assert without_generated_keys(helm.render(archive)) == without_generated_keys(helm.render(umbrella))
 
 
 def test_chart_lock_is_in_sync_and_pins_flyte_1_16(helm, tmp_path):

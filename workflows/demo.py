@@ -1,7 +1,7 @@
 """pyflyte entry point for the `demo` workflow: the README's main job.
 
     pyflyte run workflows/demo.py demo                 # SFT of a tiny Llama on builtin:chat, then samples
-    pyflyte run workflows/demo.py demo --steps 200     # longer: better answers
+    pyflyte run workflows/demo.py demo --steps 200     # trains longer
 
 Re-exports the workflow from the installed fuseforge_flyte package (see workflows/train.py).
 """

@@ -70,3 +70,23 @@ pod-security.kubernetes.io/{{ $mode }}-version: {{ $version }}
 {{- end }}
 {{- end }}
 {{- end }}
+
+{{/*
+The Secret holding the checkpoint key in each task namespace: checkpointKey.existingSecret, or the one
+this chart creates (checkpointKey.create). values.schema.json refuses both and neither; this check
+also holds when schema validation is skipped. The file name inside checkpointKey.mountPath is fixed
+("key"), whatever the Secret's key is called.
+*/}}
+{{- define "platform.checkpointKeySecret" -}}
+{{- $ck := .Values.checkpointKey -}}
+{{- if and $ck.create $ck.existingSecret -}}
+{{- fail (printf "checkpointKey: create is true and existingSecret is %q: either let the chart create the key (create: true, existingSecret: \"\") or bring your own Secret (create: false, existingSecret: <name>)" $ck.existingSecret) -}}
+{{- else if and (not $ck.create) (not $ck.existingSecret) -}}
+{{- fail "checkpointKey: create is false and no existingSecret is named: training pods need a checkpoint key (checkpoints on object stores are refused without one). Set create: true, or existingSecret to a Secret you create in each task namespace" -}}
+{{- end -}}
+{{- $ck.existingSecret | default "fuseforge-checkpoint-key" -}}
+{{- end }}
+
+{{- define "platform.checkpointKeyFile" -}}
+{{- printf "%s/key" (trimSuffix "/" .Values.checkpointKey.mountPath) -}}
+{{- end }}
