@@ -226,7 +226,8 @@ class _Run:
         spec, ctx, strategy = self.spec, self.ctx, self.strategy
         loss_tokens = torch.stack([loss_token_count(b) for b in micro_batches]).sum().to(torch.float32)
         num_items = ctx.all_reduce(loss_tokens.reshape(1)).reshape(())
-        if num_items.item() == 0:
+        total_tokens = int(num_items.item())  # one device-to-host read per step
+        if total_tokens == 0:
             raise ValueError(f"step {step}: no token of the global batch carries a loss (all labels are "
                              f"{IGNORE_INDEX}); the prepared data holds rows without loss tokens")
         check_each = spec.nonfinite_policy == "skip"  # decide before backward, so nothing bad is accumulated
@@ -258,11 +259,11 @@ class _Run:
             self.history.skipped_steps += 1
             if ctx.is_main:
                 log.warning("step %d: non-finite loss, optimizer step skipped (nonfinite_policy='skip')", step)
-            return float("nan"), int(num_items.item())
+            return float("nan"), total_tokens
         strategy.optimizer_step()
         # each share is (its tokens' loss sum) / (the global count): their sum over micro-batches and ranks
         # is the global mean (under "skip" the shares were already summed over ranks one by one)
-        return stats[0].item(), int(num_items.item())
+        return stats[0].item(), total_tokens
 
     @torch.no_grad()
     def _evaluate(self) -> None:
@@ -270,11 +271,13 @@ class _Run:
         ctx, model = self.ctx, self.strategy.model
         model.eval()
         totals = torch.zeros(2, device=ctx.device, dtype=torch.float64)  # [loss sum, loss tokens]
+        filler = None  # for rounds where this rank is out of samples: sharded models need it in every forward
         for batch in eval_batches(self.eval_dataset, rank=ctx.rank, world_size=ctx.world_size,
                                   batch_size=self.spec.batch_size):
             empty = batch is None
-            if empty:  # this rank is out of samples but sharded models need it in every forward
-                batch = collate(self.eval_dataset, [0])
+            if empty:
+                filler = filler if filler is not None else collate(self.eval_dataset, [0])
+                batch = filler
             batch = {k: v.to(ctx.device) for k, v in batch.items()}
             count = loss_token_count(batch)
             loss = self.strategy.forward(dict(batch, num_items_in_batch=count.clamp(min=1)), True).double()
@@ -341,7 +344,9 @@ class _Run:
 
 
 def _perplexity(loss: float) -> float:
-    return math.exp(loss) if math.isfinite(loss) and loss < 700 else float("nan" if not math.isfinite(loss) else "inf")
+    if not math.isfinite(loss):
+        return float("nan")
+    return math.exp(loss) if loss < 700 else float("inf")  # exp overflows a float past ~709
 
 
 def _duration(seconds: float) -> str:
