@@ -18,7 +18,7 @@ from fuseforge_flyte.training import export as export_mod
 from fuseforge_flyte.training.distributed import DistContext
 from fuseforge_flyte.training.export import (ExportError, save_pretrained_model, transformers_class,
                                              verify_model_dir)
-from fuseforge_flyte.training.models import (MODEL_CACHE_ENV, PRESETS, build_model, is_known_model,
+from fuseforge_flyte.training.models import (CACHE_ENV, PRESETS, build_model, is_known_model,
                                              load_config)
 from fuseforge_flyte.training.spec import TrainSpec
 from fuseforge_flyte.training.strategies import make_strategy
@@ -319,7 +319,7 @@ def test_build_model_downloads_a_remote_directory_once(exported, tmp_path, monke
     import fsspec
 
     out_dir, weights = exported
-    monkeypatch.setenv(MODEL_CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     root = f"memory://fuseforge-export-test-{os.getpid()}-{id(tmp_path)}"
     fs = fsspec.filesystem("memory")
     try:
@@ -386,7 +386,7 @@ def test_remote_out_dir_is_uploaded_with_config_last(exported, tmp_path, monkeyp
     try:
         assert save_pretrained_model(strategy, ctx, root + "/out") == root + "/out"
         assert order[-1] == "config.json" and "model.safetensors" in order
-        monkeypatch.setenv(MODEL_CACHE_ENV, str(tmp_path / "cache"))
+        monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
         _assert_loads_exactly(build_model(root + "/out", seed=0, device="cpu"), weights)
     finally:
         fs.rm(root.replace("memory://", ""), recursive=True)

@@ -47,7 +47,6 @@ BENCHMARK_DATASETS = (SYNTHETIC, BYTES)
 # A "prepared" directory that only names a benchmark dataset (what the Flyte preparation task returns for one).
 BENCH_MARKER = "fuseforge_bench.json"
 BYTES_CORPUS_FILE = "tiny_corpus.txt"
-DATA_CACHE_ENV = "FUSEFORGE_DATA_CACHE"  # where runs without Flyte keep prepared data (default ~/.cache/fuseforge/data)
 
 _SYNTHETIC_PHRASES = 512
 _SYNTHETIC_PHRASE_LEN = 8
@@ -171,17 +170,15 @@ class TrainingData:
             check_fits_model(self.manifest, config)
 
 
-def data_cache_root() -> str:
-    return os.environ.get(DATA_CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "fuseforge", "data")
-
-
 def _cache_dir_for(data_spec) -> str:
-    """One directory per DataSpec and source contents: a rerun with the same inputs reuses it."""
+    """One directory per DataSpec and source contents, in fuseforge's "data" cache: a rerun with the same
+    inputs reuses it."""
     from fuseforge_flyte.data.fingerprint import fingerprint
+    from fuseforge_flyte.training.models import cache_root  # models imports this module: import when used
 
     contents = fingerprint(data_spec.dataset, data_spec.eval_dataset, data_spec.tokenizer, data_spec.model)
     key = json.dumps([data_spec.__dict__, contents], sort_keys=True, default=str)
-    return os.path.join(data_cache_root(), hashlib.sha256(key.encode()).hexdigest()[:20])
+    return os.path.join(cache_root("data"), hashlib.sha256(key.encode()).hexdigest()[:20])
 
 
 def write_benchmark_marker(directory: str, name: str) -> None:

@@ -78,7 +78,7 @@ PEAK_FLOPS = [
 PEAK_TFLOPS_ENV = "FUSEFORGE_PEAK_TFLOPS"  # override for GPUs missing from the table
 
 
-MODEL_CACHE_ENV = "FUSEFORGE_CACHE"  # root of fuseforge's local caches (default ~/.cache/fuseforge)
+CACHE_ENV = "FUSEFORGE_CACHE"  # root of fuseforge's local caches (default ~/.cache/fuseforge)
 # files that hold Hugging Face weights; one of them next to config.json makes a directory a pretrained model
 _WEIGHT_SUFFIX = ".safetensors"
 _BIN_PREFIX, _BIN_SUFFIX = "pytorch_model", ".bin"
@@ -185,9 +185,11 @@ def load_config(name: str, vocab_size: Optional[int] = None):
 # ---------------------------------------------------------------- remote model directories
 
 
-def model_cache_root() -> str:
-    root = os.environ.get(MODEL_CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "fuseforge")
-    return os.path.join(root, "models")
+def cache_root(kind: str) -> str:
+    """One of fuseforge's local caches ("models": downloaded model directories, "data": data prepared by
+    the engine itself) under $FUSEFORGE_CACHE."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "fuseforge")
+    return os.path.join(root, kind)
 
 
 def _remote_listing(uri: str):
@@ -239,7 +241,7 @@ def fetch_model_dir(uri: str) -> str:
                                 f"*.safetensors or pytorch_model*.bin; found {sorted(files)})")
     digest = hashlib.sha256(uri.rstrip("/").encode())
     digest.update(json.dumps({n: _identity(files[n]) for n in wanted}, sort_keys=True).encode())
-    cache = model_cache_root()
+    cache = cache_root("models")
     os.makedirs(cache, exist_ok=True)
     target = os.path.join(cache, digest.hexdigest()[:32])
     with open(target + ".lock", "w") as lock:
