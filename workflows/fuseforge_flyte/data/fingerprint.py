@@ -15,10 +15,9 @@ import os
 from importlib import resources
 from typing import Iterable
 
+from fuseforge_flyte.data.spec import WEIGHT_FILE_SUFFIXES
+
 _CHUNK = 1 << 20
-# Model weights decide nothing about prepared data (only the tokenizer and the config do), and hashing a
-# model directory's gigabytes would cost more than the preparation itself.
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt")
 
 
 def _hash_file(path: str, digest) -> None:
@@ -37,7 +36,9 @@ def _local_files(path: str) -> Iterable[str]:
     for base, dirs, names in os.walk(path):
         dirs.sort()
         for name in sorted(names):
-            if not name.endswith(_WEIGHT_SUFFIXES):
+            # model weights shape no prepared data, and hashing a model directory's gigabytes would cost
+            # more than the preparation itself
+            if not name.endswith(WEIGHT_FILE_SUFFIXES):
                 yield os.path.join(base, name)
 
 
@@ -54,7 +55,7 @@ def _hash_remote(uri: str, digest) -> None:
     fs, path = fsspec.core.url_to_fs(uri)
     found = fs.find(path, detail=True) if fs.isdir(path) else {path: fs.info(path)}
     for name in sorted(found):
-        if name.endswith(_WEIGHT_SUFFIXES):
+        if name.endswith(WEIGHT_FILE_SUFFIXES):
             continue
         info = found[name]
         identity = {key: str(info[key]) for key in sorted(info) if key.lower() in

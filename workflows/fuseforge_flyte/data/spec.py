@@ -22,6 +22,11 @@ _OTHER_FILE_EXTENSIONS = {".tsv", ".xml", ".arrow", ".gz", ".zip", ".tar", ".bz2
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
+# Files that hold model weights (PyTorch, safetensors, GGUF, TF/Flax, ONNX): never part of a tokenizer, and
+# nothing prepared data depends on.
+WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
+
+
 def is_uri(source: str) -> bool:
     return "://" in source
 

@@ -11,12 +11,11 @@ import os
 import tempfile
 
 from fuseforge_flyte.data.builtin import BUILTIN_TOKENIZER, TOKENIZER_DIR, asset_path
-from fuseforge_flyte.data.spec import is_uri, local_path, looks_like_hub_id
+from fuseforge_flyte.data.spec import WEIGHT_FILE_SUFFIXES, is_uri, local_path, looks_like_hub_id
 
 # any one of these marks a directory as holding a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
                    "spiece.model", "sentencepiece.bpe.model")
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
 
 
 def resolve_tokenizer_source(source: str, model: str) -> str:
@@ -45,7 +44,7 @@ def _download_dir(uri: str) -> str:
     if not fs.isdir(root):
         raise FileNotFoundError(f"no tokenizer found at {uri!r}: not a directory")
     names = [p for p in fs.ls(root, detail=False) if fs.isfile(p)]
-    wanted = [p for p in names if not p.endswith(_WEIGHT_SUFFIXES)]
+    wanted = [p for p in names if not p.endswith(WEIGHT_FILE_SUFFIXES)]
     if not any(os.path.basename(p) in TOKENIZER_FILES for p in wanted):
         found = sorted(os.path.basename(p) for p in names)
         raise ValueError(f"no tokenizer found at {uri!r}: the directory has no tokenizer files "
