@@ -22,7 +22,8 @@ from flytekit.types.directory import FlyteDirectory
 
 from fuseforge_flyte.comparison import Comparison
 from fuseforge_flyte.config import load_config
-from fuseforge_flyte.tasks import DataSource, training_task_options
+from fuseforge_flyte.launch import training_task_options
+from fuseforge_flyte.tasks import DataSource
 from fuseforge_flyte.training.spec import TrainMetrics
 from fuseforge_flyte.workflows import _prepared, compare, demo, train
 
@@ -145,7 +146,7 @@ def test_data_preparation_is_cached_on_the_contents(tmp_path, monkeypatch):
 ])
 def test_bad_data_fails_in_preparation_before_any_worker_starts(tmp_path, monkeypatch, rows, match):
     """Bad data is named by the CPU preparation task: the elastic training task never launches workers."""
-    from fuseforge_flyte.tasks import ElasticTrainingTask
+    from fuseforge_flyte.launch import ElasticTrainingTask
 
     launched = []
     monkeypatch.setattr(ElasticTrainingTask, "execute", lambda self, **kw: launched.append(kw))

@@ -25,13 +25,8 @@ from flytekit.tools.translator import get_serializable
 from google.protobuf.json_format import MessageToDict, ParseDict
 
 from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, load_config
-from fuseforge_flyte.tasks import (
-    DEFAULTS,
-    summarize_comparison,
-    summary_task_options,
-    train_model,
-    training_task_options,
-)
+from fuseforge_flyte.launch import summary_task_options, training_task_options
+from fuseforge_flyte.tasks import DEFAULTS, summarize_comparison, train_model
 from fuseforge_flyte.training.spec import TrainSpec
 from fuseforge_flyte.workflows import compare, train
 

@@ -1,0 +1,192 @@
+"""How fuseforge's GPU tasks launch: the elastic task type (local runs as one node of a few workers,
+inputs checked once before any worker starts) and the @task arguments that platform.toml decides
+(image, resources, /dev/shm, placement, elastic settings). Shared by the built-in tasks and the
+own-code task decorator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+from typing import Any, Callable, Dict, Iterator, Optional
+
+from flytekit import PodTemplate, Resources
+from flytekit.core.context_manager import FlyteContextManager
+from flytekit.extend import TaskPlugins
+from flytekit.extras.accelerators import GPUAccelerator
+from flytekit.types.directory import FlyteDirectory
+from flytekitplugins.kfpytorch.task import Elastic, PytorchElasticFunctionTask
+from kubernetes.client import V1PodSpec, V1Toleration
+
+from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, PlatformConfig
+from fuseforge_flyte.image import training_image
+from fuseforge_flyte.training.distributed import SHARED_STORE_ENV
+
+
+@dataclasses.dataclass
+class ElasticTraining(Elastic):
+    """kfpytorch's Elastic, plus how many workers to start when the task runs locally."""
+
+    local_nproc_per_node: int = 2
+    # Checks the task inputs in the launching process, so bad input fails once, before any worker
+    # starts (else every worker fails and torch elastic restarts the group max_restarts times).
+    check_inputs: Optional[Callable[..., None]] = None
+
+
+class ElasticTrainingTask(PytorchElasticFunctionTask):
+    """Runs as registered on the cluster; locally, one node of `local_nproc_per_node` workers."""
+
+    def execute(self, **kwargs: Any) -> Any:
+        if "data" in kwargs:  # fetched once per pod, before the workers start; they read the local copy
+            kwargs["data"] = FlyteDirectory(path=kwargs["data"].download())
+        if self.task_config.check_inputs is not None:
+            self.task_config.check_inputs(**kwargs)
+        # A fresh rendezvous store per restart round, or restarted workers can read the dead round's
+        # addresses (see fuseforge_flyte.training.distributed); pods also get it from `environment`.
+        launch_env = {SHARED_STORE_ENV: "1"}
+        with contextlib.ExitStack() as scope:
+            state = FlyteContextManager.current_context().execution_state
+            if state is not None and state.is_local_execution():
+                scope.enter_context(self._as_one_local_node(launch_env))
+            scope.enter_context(_environment(launch_env))
+            return super().execute(**kwargs)
+
+    @contextlib.contextmanager
+    def _as_one_local_node(self, launch_env: Dict[str, str]) -> Iterator[None]:
+        """Swap the registered nnodes/nproc_per_node for a local run's, and back."""
+        import torch
+
+        workers = self.task_config.local_nproc_per_node
+        if torch.cuda.is_available():
+            workers = min(workers, torch.cuda.device_count())
+        else:
+            launch_env["TRITON_INTERPRET"] = "1"  # inherited by the workers before they import any kernel
+        registered = (self._task_config, self.min_nodes, self.max_nodes)
+        self._task_config = dataclasses.replace(self.task_config, nnodes=1, nproc_per_node=workers)
+        self.min_nodes = self.max_nodes = 1
+        try:
+            yield
+        finally:
+            self._task_config, self.min_nodes, self.max_nodes = registered
+
+
+@contextlib.contextmanager
+def _environment(values: Dict[str, str]) -> Iterator[None]:
+    """Set the variables that are not set yet (an explicit user setting wins), then restore."""
+    added = [name for name in values if name not in os.environ]
+    os.environ.update({name: values[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
+
+
+TaskPlugins.register_pythontask_plugin(ElasticTraining, ElasticTrainingTask)
+
+
+def use_triton_interpreter_without_cuda() -> None:
+    """TRITON_INTERPRET=1 when there is no GPU; it only works if set before any @triton.jit kernel is defined."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    if os.environ.get("TRITON_INTERPRET") != "1" and any(m.startswith("fuseforge.ops") for m in sys.modules):
+        raise RuntimeError(
+            "no CUDA device and fuseforge's Triton kernels were imported before TRITON_INTERPRET=1 was set; "
+            "set TRITON_INTERPRET=1 in the environment before starting the run"
+        )
+    os.environ["TRITON_INTERPRET"] = "1"
+
+
+# ------------------------------------------------------------------------------- decorator arguments
+
+
+def elastic_config(config: PlatformConfig, check_inputs: Optional[Callable[..., None]] = None) -> ElasticTraining:
+    e = config.elastic
+    return ElasticTraining(
+        nnodes=e.nnodes,
+        nproc_per_node=e.nproc_per_node,
+        local_nproc_per_node=e.local_nproc_per_node,
+        start_method=e.start_method,
+        monitor_interval=e.monitor_interval,
+        max_restarts=e.max_restarts,
+        rdzv_configs={
+            "timeout": e.rdzv_timeout,
+            "join_timeout": e.rdzv_join_timeout,
+            "read_timeout": e.rdzv_read_timeout,
+        },
+        increase_shared_mem=False,  # /dev/shm comes from @task(shared_memory=...) below
+        check_inputs=check_inputs,
+    )
+
+
+def pod_template(config: PlatformConfig) -> Optional[PodTemplate]:
+    """Node selector and tolerations for the training pods (None when there are none)."""
+    cluster = config.cluster
+    if not cluster.node_selector and not cluster.tolerations:
+        return None
+    tolerations = [
+        V1Toleration(
+            key=t.key or None,
+            operator=t.operator,
+            value=t.value or None,
+            effect=t.effect or None,
+            toleration_seconds=t.toleration_seconds,
+        )
+        for t in cluster.tolerations
+    ]
+    spec = V1PodSpec(containers=[], node_selector=dict(cluster.node_selector) or None, tolerations=tolerations or None)
+    return PodTemplate(pod_spec=spec)
+
+
+def training_task_options(config: PlatformConfig, check_inputs: Optional[Callable[..., None]] = None) -> Dict[str, Any]:
+    """Keyword arguments of @task for the training task, all from platform.toml (check_inputs: see ElasticTraining)."""
+    cluster = config.cluster
+    # Strings: the kubernetes client behind pod templates rejects integer quantities.
+    gpu = {"gpu": str(cluster.gpus)} if cluster.gpus > 0 else {}
+    options: Dict[str, Any] = dict(
+        task_config=elastic_config(config, check_inputs),
+        container_image=training_image(config),
+        requests=Resources(cpu=cluster.cpu, mem=cluster.memory, **gpu),
+        limits=Resources(mem=cluster.memory, **gpu),
+        environment={RESOLVED_CONFIG_ENV: config.to_json(), SHARED_STORE_ENV: "1"},
+        retries=config.flyte.retries,
+        enable_deck=True,
+        deck_fields=(),  # only our metrics Deck: the console opens on it, not on flytekit's Timeline
+    )
+    if cluster.accelerator:
+        options["accelerator"] = GPUAccelerator(cluster.accelerator)
+    if cluster.shared_memory:
+        options["shared_memory"] = cluster.shared_memory
+    template = pod_template(config)
+    if template is not None:
+        options["pod_template"] = template
+    if cluster.pod_template_name:
+        options["pod_template_name"] = cluster.pod_template_name
+    return options
+
+
+def data_task_options(config: PlatformConfig) -> Dict[str, Any]:
+    """Data preparation runs on a CPU pod of [data]'s size, in the training image."""
+    return dict(
+        container_image=training_image(config),
+        requests=Resources(cpu=config.data.cpu, mem=config.data.memory),
+        limits=Resources(mem=config.data.memory),
+        environment={RESOLVED_CONFIG_ENV: config.to_json()},
+        retries=config.flyte.retries,
+    )
+
+
+def summary_task_options(config: PlatformConfig) -> Dict[str, Any]:
+    """The comparison summary is light: same image, a small pod, no GPU."""
+    return dict(
+        container_image=training_image(config),
+        requests=Resources(cpu="1", mem="2Gi"),
+        limits=Resources(mem="2Gi"),
+        environment={RESOLVED_CONFIG_ENV: config.to_json()},
+        enable_deck=True,
+        deck_fields=(),  # only our metrics Deck: the console opens on it, not on flytekit's Timeline
+    )
