@@ -98,6 +98,44 @@ def test_elastic_restart_resumes_and_matches_unkilled_run(tmp_path, monkeypatch)
     assert sorted(os.listdir(tmp_path / "killed")) == ["progress.json", "step_00000006", "step_00000007"]
 
 
+def _count_attempts(monkeypatch, tmp_path):
+    """Record TORCHELASTIC_RESTART_COUNT each time a (forked) worker starts training."""
+    import fuseforge_flyte.training.local as local
+
+    log = tmp_path / "attempts.txt"
+
+    def counted(spec):
+        with open(log, "a") as handle:
+            handle.write(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "\n")
+        return train(spec)
+
+    monkeypatch.setattr(local, "train", counted)
+    return lambda: sorted(set(log.read_text().split())) if log.exists() else []
+
+
+def test_out_of_memory_in_the_first_step_is_not_retried(tmp_path, monkeypatch):
+    """OOM on rank 1 before any step finished: one fast replay round ends the run, not max_restarts attempts."""
+    from fuseforge_flyte.training.permanent import PermanentFailure
+
+    attempts = _count_attempts(monkeypatch, tmp_path)
+    monkeypatch.setenv(FAULT_ENV, "1:1:oom")
+    with pytest.raises(PermanentFailure, match=r"(?s)not retried.*rank 1: FirstStepOutOfMemory: out of memory in "
+                                               r"the first step.*batch_size.*injected out of memory"):
+        _launch(_spec(steps=3, batch_size=2), max_restarts=3)
+    assert attempts() == ["0"]  # training ran in the first round only; the restarted workers did not train
+
+
+def test_out_of_memory_after_a_finished_step_is_retried(tmp_path, monkeypatch):
+    """The same error after step 1 fitted may be transient (fragmentation, a neighbour): restarts go on."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    attempts = _count_attempts(monkeypatch, tmp_path)
+    monkeypatch.setenv(FAULT_ENV, "1:2:oom")
+    with pytest.raises(ChildFailedError, match="injected out of memory"):
+        _launch(_spec(steps=3, batch_size=2), max_restarts=1)
+    assert attempts() == ["0", "1"]
+
+
 @pytest.mark.parametrize("strategy,extra", [("ddp", {}), ("fsdp", {}), ("deepspeed", {"zero_stage": 3})],
                          ids=["ddp", "fsdp", "zero3"])
 def test_nonfinite_skip_is_agreed_by_all_ranks(monkeypatch, request, strategy, extra):

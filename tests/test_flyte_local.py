@@ -54,6 +54,22 @@ def probe_worker() -> str:
     return f"{env['RANK']}/{env['WORLD_SIZE']} interpret={env.get('TRITON_INTERPRET')} fresh_store={env.get('TORCH_DISABLE_SHARE_RDZV_TCP_STORE')}"
 
 
+def failing_worker() -> str:
+    """Rank 1 fails with a settings error in every attempt; each start is logged (module level: spawn imports it)."""
+    from fuseforge_flyte.training import permanent
+
+    with open(os.environ["PROBE_LOG"], "a") as log:
+        log.write(f"{os.environ['RANK']}@{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}\n")
+
+    def body() -> str:
+        if os.environ["RANK"] == "1":
+            raise ValueError("probe: a setting no restart can fix")
+        time.sleep(2)  # rank 0 still running when rank 1 fails: the agent stops it and restarts the group
+        return "done"
+
+    return permanent.run_worker(body, int(os.environ["RANK"]))
+
+
 def assert_real_run(m: TrainMetrics, kernels: bool, steps: int = STEPS, seq_len: int = 32) -> None:
     assert isinstance(m, TrainMetrics)
     assert (m.model, m.kernels, m.world_size, m.steps) == ("tiny-llama", kernels, WORKERS, steps)
@@ -94,6 +110,23 @@ def test_registered_multi_node_task_runs_as_one_local_node(tmp_path, monkeypatch
     assert probe.task_config.nnodes == 4 and probe.task_config.nproc_per_node == 8  # registration unchanged
     # The launch variables were scoped to the run.
     assert "TRITON_INTERPRET" not in os.environ and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ
+
+
+def test_permanent_worker_error_fails_once_without_restarts(tmp_path, monkeypatch):
+    """A worker error that cannot succeed on retry ends the task after one short replay round (no second
+    training attempt), as a non-recoverable error naming the rank and the cause, though max_restarts is 3."""
+    from fuseforge_flyte.training.permanent import PermanentFailure
+
+    (tmp_path / "platform.toml").write_text("[image]\nregistry = \"localhost:30000\"\n[flyte]\nproject = \"p\"\ndomain = \"d\"\n[elastic]\nlocal_nproc_per_node = 2\nmax_restarts = 3\nmonitor_interval = 1\n")
+    config = load_config(tmp_path / "platform.toml", env={})
+    probe = task(**training_task_options(config))(failing_worker)
+    monkeypatch.setenv("PROBE_LOG", str(tmp_path / "starts.txt"))
+    start = time.time()
+    with pytest.raises(PermanentFailure, match="(?s)not retried.*rank 1: ValueError: probe: a setting no restart"):
+        probe()
+    assert time.time() - start < 120  # two rounds of worker start-up (spawn imports torch), not four
+    starts = (tmp_path / "starts.txt").read_text().split()
+    assert sorted(starts) == ["0@0", "0@1", "1@0", "1@1"]  # the first round and one replay round, no more
 
 
 def test_demo_fine_tunes_returns_the_model_and_samples_it(capfd):

@@ -22,6 +22,7 @@ from kubernetes.client import V1PodSpec, V1Toleration
 
 from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, PlatformConfig
 from fuseforge_flyte.image import training_image
+from fuseforge_flyte.training import permanent
 from fuseforge_flyte.training.distributed import SHARED_STORE_ENV
 
 
@@ -39,23 +40,25 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
     """Runs as registered on the cluster; locally, one node of `local_nproc_per_node` workers."""
 
     def execute(self, **kwargs: Any) -> Any:
-        if "data" in kwargs:  # fetched once per pod, before the workers start; they read the local copy
+        if isinstance(kwargs.get("data"), FlyteDirectory):  # fetched once per pod, before the workers start
             kwargs["data"] = FlyteDirectory(path=kwargs["data"].download())
         if self.task_config.check_inputs is not None:
             self.task_config.check_inputs(**kwargs)
         # A fresh rendezvous store per restart round, or restarted workers can read the dead round's
         # addresses (see fuseforge_flyte.training.distributed); pods also get it from `environment`.
         launch_env = {SHARED_STORE_ENV: "1"}
-        with contextlib.ExitStack() as scope:
-            state = FlyteContextManager.current_context().execution_state
-            if state is not None and state.is_local_execution():
-                scope.enter_context(self._as_one_local_node(launch_env))
-            scope.enter_context(_environment(launch_env))
-            return super().execute(**kwargs)
+        launcher: Any = super()
+        state = FlyteContextManager.current_context().execution_state
+        if state is not None and state.is_local_execution():
+            launcher = self._one_local_node(launch_env)
+        with _environment(launch_env), permanent.failure_directory():
+            result = launcher.execute(**kwargs)
+        permanent.raise_if_failed(result)  # a failure that restarts cannot fix: raised once, not retried
+        return result
 
-    @contextlib.contextmanager
-    def _as_one_local_node(self, launch_env: Dict[str, str]) -> Iterator[None]:
-        """Swap the registered nnodes/nproc_per_node for a local run's, and back."""
+    def _one_local_node(self, launch_env: Dict[str, str]) -> PytorchElasticFunctionTask:
+        """This task as one node of `local_nproc_per_node` workers: a separate plain elastic task of the same
+        function, so the registered one is never changed (kfpytorch reads the launch settings from its config)."""
         import torch
 
         workers = self.task_config.local_nproc_per_node
@@ -63,13 +66,8 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
             workers = min(workers, torch.cuda.device_count())
         else:
             launch_env["TRITON_INTERPRET"] = "1"  # inherited by the workers before they import any kernel
-        registered = (self._task_config, self.min_nodes, self.max_nodes)
-        self._task_config = dataclasses.replace(self.task_config, nnodes=1, nproc_per_node=workers)
-        self.min_nodes = self.max_nodes = 1
-        try:
-            yield
-        finally:
-            self._task_config, self.min_nodes, self.max_nodes = registered
+        local = dataclasses.replace(self.task_config, nnodes=1, nproc_per_node=workers)
+        return PytorchElasticFunctionTask(task_config=local, task_function=self.task_function)
 
 
 @contextlib.contextmanager

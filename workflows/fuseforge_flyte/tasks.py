@@ -127,12 +127,15 @@ def run_training(spec: TrainSpec) -> TrainOutput:
 
     from flytekit.exceptions.user import FlyteRecoverableException
 
+    from fuseforge_flyte.training import permanent
     from fuseforge_flyte.training.preemption import Preempted
 
     try:
-        metrics = train(spec)
+        metrics = permanent.run_worker(lambda: train(spec), int(os.environ.get("RANK", "0")))
     except Preempted as err:  # SIGTERM: checkpointed; Flyte retries the task and it resumes there
         raise FlyteRecoverableException(str(err)) from err
+    if isinstance(metrics, permanent.FailedPermanently):  # an earlier round failed for good: end the launch
+        return metrics
     if int(os.environ.get("RANK", "0")) == 0:
         Deck("Training metrics", training_deck_html(metrics))
     return TrainOutput(metrics=metrics, model=FlyteDirectory(path=spec.output_dir))

@@ -24,7 +24,7 @@ import torch
 
 from fuseforge_flyte.console import ensure_console_logging
 from fuseforge_flyte.training import faults
-from fuseforge_flyte.training import preemption
+from fuseforge_flyte.training import permanent, preemption
 from fuseforge_flyte.training.checkpoint import CheckpointManager, run_settings
 from fuseforge_flyte.training.data import (IGNORE_INDEX, DataPosition, Prefetcher, Sample, ShardedBatches,
                                            TrainingData,
@@ -196,7 +196,12 @@ class _Run:
             micro_batches = [{k: v.to(ctx.device, non_blocking=True) for k, v in b.items()}
                              for b in batches.next_step()]
             data_wait = time.perf_counter() - start
-            loss, loss_tokens = self._one_step(micro_batches, self.step + 1)
+            try:
+                loss, loss_tokens = self._one_step(micro_batches, self.step + 1)
+            except torch.OutOfMemoryError as err:
+                if self.step == self.session_first_step:  # nothing fitted yet: a restart would fail the same way
+                    raise permanent.first_step_out_of_memory(err, what=f"training {spec.model}") from err
+                raise
             ctx.synchronize()
             elapsed = time.perf_counter() - start
             self.step += 1
@@ -224,6 +229,7 @@ class _Run:
     def _one_step(self, micro_batches: List[Sample], step: int) -> Tuple[float, int]:
         """Forward/backward every micro-batch and apply the update; the step's global mean loss and loss tokens."""
         spec, ctx, strategy = self.spec, self.ctx, self.strategy
+        faults.maybe_out_of_memory(ctx.rank, step)
         loss_tokens = torch.stack([loss_token_count(b) for b in micro_batches]).sum().to(torch.float32)
         num_items = ctx.all_reduce(loss_tokens.reshape(1)).reshape(())
         total_tokens = int(num_items.item())  # one device-to-host read per step

@@ -34,8 +34,8 @@ def _parse(env: str) -> Dict[Tuple[int, int], str]:
         if len(fields) not in (2, 3) or not fields[0].isdigit() or not fields[1].isdigit():
             raise ValueError(f"{env}={raw!r}: expected 'rank:step[:mode]' items separated by commas")
         mode = fields[2] if len(fields) == 3 else "kill"
-        if mode not in ("kill", "raise"):
-            raise ValueError(f"{env}={raw!r}: mode must be 'kill' or 'raise', got {mode!r}")
+        if mode not in ("kill", "raise", "oom"):
+            raise ValueError(f"{env}={raw!r}: mode must be 'kill', 'raise' or 'oom', got {mode!r}")
         points[(int(fields[0]), int(fields[1]))] = mode
     return points
 
@@ -43,13 +43,19 @@ def _parse(env: str) -> Dict[Tuple[int, int], str]:
 def maybe_fail(rank: int, step: int, restart_count: int) -> None:
     """Die here if FUSEFORGE_FAULT_INJECT names (rank, step) and this is the first attempt."""
     mode = _parse(FAULT_ENV).get((rank, step))
-    if mode is None or restart_count > 0:
+    if mode not in ("kill", "raise") or restart_count > 0:
         return
     if mode == "raise":
         raise InjectedFault(f"injected fault on rank {rank} after step {step}")
     sys.stdout.flush()
     sys.stderr.flush()
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def maybe_out_of_memory(rank: int, step: int) -> None:
+    """Raise torch.OutOfMemoryError if FUSEFORGE_FAULT_INJECT names (rank, step) with mode "oom"."""
+    if _parse(FAULT_ENV).get((rank, step)) == "oom":
+        raise torch.OutOfMemoryError(f"injected out of memory on rank {rank} in step {step}")
 
 
 def maybe_poison(loss: torch.Tensor, rank: int, step: int) -> torch.Tensor:

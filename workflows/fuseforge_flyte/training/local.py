@@ -2,7 +2,7 @@
 
 For laptops/CI (gloo on the CPU) and single-node GPU boxes without a scheduler;
 workers that die are restarted up to `max_restarts` times and resume from the
-newest checkpoint.
+newest checkpoint; a permanent failure (see training/permanent.py) is not retried.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Dict, Optional
 
 import torch
 
+from fuseforge_flyte.training import permanent
 from fuseforge_flyte.training.distributed import SHARED_STORE_ENV
 from fuseforge_flyte.training.engine import train
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
@@ -28,7 +29,7 @@ def _free_port() -> int:
 def _worker(spec: TrainSpec, threads: Optional[int]) -> TrainMetrics:
     if threads:
         torch.set_num_threads(threads)  # also keeps OpenMP from deadlocking in forked workers
-    return train(spec)
+    return permanent.run_worker(lambda: train(spec), int(os.environ.get("RANK", "0")))
 
 
 def run_local(spec: TrainSpec, nproc: int = 2, *, max_restarts: int = 0, start_method: str = "spawn",
@@ -51,7 +52,11 @@ def run_local(spec: TrainSpec, nproc: int = 2, *, max_restarts: int = 0, start_m
     previous = os.environ.get(SHARED_STORE_ENV)
     os.environ[SHARED_STORE_ENV] = "1"
     try:
-        return elastic_launch(config, _worker)(spec, threads_per_worker)
+        with permanent.failure_directory():
+            results = elastic_launch(config, _worker)(spec, threads_per_worker)
+        for result in results.values():
+            permanent.raise_if_failed(result)
+        return results
     finally:
         if previous is None:
             os.environ.pop(SHARED_STORE_ENV, None)
