@@ -5,6 +5,9 @@ The integration is one line, before the model is handed to the Trainer (no callb
     from fuseforge.transformers import apply_kernels
     apply_kernels(model)
 
+or, on the built trainer, `apply_kernels(trainer)`: the same for a plain Trainer, and the
+form to use with TRL's trainers (examples/sft_trainer.py), which it adapts as well.
+
 Norms, RoPE and the gated MLP then run as fused Triton kernels, and the training loss
 is computed by fused linear cross-entropy straight from the last hidden states: the
 [tokens x vocab] logits are never materialised, so training outputs carry

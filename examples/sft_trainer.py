@@ -1,17 +1,18 @@
 """Supervised fine-tuning with TRL's SFTTrainer on fuseforge's fused kernels.
 
-The integration is one line before the model is handed to the trainer (no callback):
+The integration is one line on the built trainer (no subclass, no callback):
 
     from fuseforge.transformers import apply_kernels
-    apply_kernels(model)
+    apply_kernels(trainer)
 
-One TRL detail: recent SFTTrainer versions log per-token entropy and accuracy computed
-from `outputs.logits` during training. With fuseforge's fused linear cross-entropy the
-training forward never builds the [tokens x vocab] logits (that is the memory saving),
-so it returns `logits=None`; `FusedSFTTrainer` below is SFTTrainer minus those two
-training metrics (evaluation still reports them). If you would rather keep them, pass
-`apply_kernels(model, fused_linear_cross_entropy=False)` to the plain SFTTrainer: the
-norm, RoPE and MLP kernels stay, logits are computed as usual.
+It patches `trainer.model` (norms, RoPE, gated MLP, and the fused linear cross-entropy
+loss) and adapts the trainer: training steps take the model's fused loss, which never
+builds the [tokens x vocab] logits. SFTTrainer's two logits-statistics training metrics,
+`entropy` and `mean_token_accuracy`, are then not logged (one warning says so; evaluation
+still reports them). `apply_kernels(trainer, fused_linear_cross_entropy=False)` keeps
+them: the norm, RoPE and MLP kernels stay and the loss comes from TRL's own fused LM head.
+The same call works for DPOTrainer, KTOTrainer, GRPOTrainer, ...: those compute their loss
+themselves, so their models get the layer kernels without the fused loss.
 
 Needs `pip install trl datasets` and a GPU (or TRITON_INTERPRET=1 and a lot of patience):
 
@@ -37,19 +38,6 @@ import transformers
 from fuseforge.transformers import apply_kernels
 
 
-class FusedSFTTrainer(trl.SFTTrainer):
-    """SFTTrainer that skips its logits-based training metrics when the fused loss returns no logits."""
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not model.training:  # eval: logits are computed, TRL's metrics work unchanged
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        inputs = {k: v for k, v in inputs.items() if k != "_prediction_loss_only"}
-        inputs["use_cache"] = False  # as SFTTrainer does: no KV cache while training
-        return transformers.Trainer.compute_loss(
-            self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
-        )
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="Qwen/Qwen2.5-0.5B-Instruct")
@@ -63,9 +51,8 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
-    print(apply_kernels(model))  # <- the one line; prints what was fused
 
-    trainer = FusedSFTTrainer(
+    trainer = trl.SFTTrainer(
         model=model,
         processing_class=tokenizer,
         train_dataset=datasets.load_dataset(args.dataset, split="train"),
@@ -80,6 +67,7 @@ def main(argv=None) -> None:
             report_to=[],
         ),
     )
+    print(apply_kernels(trainer))  # <- the one line; prints what was fused and what the trainer changed
     trainer.train()
 
 

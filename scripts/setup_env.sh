@@ -29,7 +29,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-if ! "$PY" -c "import fuseforge, fuseforge_flyte, flytekit, pytest" >/dev/null 2>&1 || [ "${FUSEFORGE_REINSTALL:-0}" = 1 ]; then
+if ! "$PY" -c "import fuseforge, fuseforge_flyte, flytekit, pytest, trl" >/dev/null 2>&1 || [ "${FUSEFORGE_REINSTALL:-0}" = 1 ]; then
     "$PY" -m pip install -q --upgrade pip
     # An extra index (not --index-url): pip's own index and any local wheelhouse it is configured with
     # stay in use; among equal versions the index's local build (2.13.0+cpu) ranks above PyPI's.

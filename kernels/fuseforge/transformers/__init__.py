@@ -1,11 +1,15 @@
 """One-line patching of Hugging Face transformers models with fuseforge's fused kernels.
 
     from fuseforge.transformers import apply_kernels
-    apply_kernels(model)        # before Trainer(model=model, ...) / SFTTrainer(model=model, ...)
+    apply_kernels(model)        # a model (or model class), before your own training loop
+    apply_kernels(trainer)      # or a built transformers.Trainer / TRL trainer (SFT, DPO, KTO, GRPO, ...)
+
+A trainer gets its model patched and is adapted to the fused loss, or the fused loss is
+turned off where the trainer computes its loss itself (see trainers.TRAINER_POLICIES).
 
 Supported end to end (norms, RoPE, gated MLP, fused loss): see SUPPORTED_MODEL_TYPES.
 Other models get the modules whose code is recognised and a warning for the rest.
-Tested with transformers in TESTED_TRANSFORMERS.
+Tested with transformers in TESTED_TRANSFORMERS and TRL in TESTED_TRL.
 """
 
 from fuseforge.transformers.auto import AutoFusedModelForCausalLM
@@ -21,9 +25,12 @@ from fuseforge.transformers.patching import (
     unpatch,
 )
 from fuseforge.transformers.report import PatchReport
+from fuseforge.transformers.trainers import TRAINER_POLICIES, TrainerPolicy
 
 # Oldest and newest transformers versions the test suite has been run against.
 TESTED_TRANSFORMERS = ("5.17.0", "5.24.0")
+# TRL version the trainer integration (apply_kernels(trainer)) is tested with.
+TESTED_TRL = ("1.16.0",)
 
 apply_kernels_to_llama = FAMILY_FUNCTIONS["apply_kernels_to_llama"]
 apply_kernels_to_mistral = FAMILY_FUNCTIONS["apply_kernels_to_mistral"]
@@ -38,6 +45,9 @@ __all__ = [
     "DEFAULT_FLAGS",
     "SUPPORTED_MODEL_TYPES",
     "TESTED_TRANSFORMERS",
+    "TESTED_TRL",
+    "TRAINER_POLICIES",
+    "TrainerPolicy",
     "AutoFusedModelForCausalLM",
     "PatchReport",
     "apply_kernels",

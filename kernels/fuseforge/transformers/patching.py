@@ -221,7 +221,11 @@ def _undo(state: _State) -> None:
     for lm in state.forwards:
         forward = lm.__dict__.get("forward")
         if getattr(forward, "_fuseforge_fused_forward", False):
-            del lm.forward
+            previous = getattr(forward, "_fuseforge_previous_forward", None)  # see trainers._route
+            if previous is None:
+                del lm.forward
+            else:
+                lm.forward = previous
         lm.__dict__.pop(LOSS_SPEC_ATTR, None)
     for module in state.swapped:
         restore(module)
@@ -312,6 +316,11 @@ def apply_kernels(
     or with `skip_logits=False` logits are computed as usual (`skip_logits=True` forces
     the fused path in eval mode).
 
+    A built `transformers.Trainer` or TRL trainer patches `trainer.model` (and its
+    reference / teacher model) and adapts the trainer to the fused loss, or turns the
+    fused loss off where the trainer computes its loss itself: see
+    `fuseforge.transformers.trainers`. The report is then the trainer's.
+
     Unknown model types are patched where modules are recognised from their code and
     get a warning naming what was and was not patched. Returns a PatchReport.
     """
@@ -326,13 +335,18 @@ def apply_kernels(
         )
     )
     options = {**flags, "loss_chunk_size": _check_loss_chunk_size(loss_chunk_size, fused_linear_cross_entropy)}
+    from fuseforge.transformers import trainers  # here: trainers imports this module
+
+    if trainers._is_trainer(model_or_class):
+        return trainers.apply_kernels_to_trainer(model_or_class, options)
     if isinstance(model_or_class, type):
         if not issubclass(model_or_class, nn.Module):
             raise TypeError(f"model_or_class must be an nn.Module or an nn.Module class, got {model_or_class!r}")
         return _patch_class(model_or_class, options)
     if not isinstance(model_or_class, nn.Module):
         raise TypeError(
-            f"model_or_class must be an nn.Module or an nn.Module class, got {type(model_or_class).__name__}"
+            f"model_or_class must be an nn.Module or an nn.Module class, got {type(model_or_class).__name__} "
+            "(a built transformers.Trainer or TRL trainer is accepted too)"
         )
     state = model_or_class.__dict__.get(_STATE_ATTR)
     if state is not None:
@@ -354,9 +368,13 @@ DEFAULT_FLAGS = types.MappingProxyType({name: v for name, v in DEFAULT_OPTIONS.i
 
 
 def unpatch(model_or_class) -> bool:
-    """Undo apply_kernels on an instance or class; True if there was a patch to undo."""
+    """Undo apply_kernels on an instance, class or trainer; True if there was a patch to undo."""
     if isinstance(model_or_class, type):
         return _unpatch_class(model_or_class)
+    from fuseforge.transformers import trainers
+
+    if trainers._is_trainer(model_or_class):
+        return trainers.unpatch_trainer(model_or_class)
     state = model_or_class.__dict__.pop(_STATE_ATTR, None)
     if state is None:
         return False
