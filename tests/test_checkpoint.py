@@ -6,6 +6,7 @@ Single process on the CPU in fp32 (or 2 gloo workers under torch elastic), so a 
 reproduce the uninterrupted loss curve bit for bit.
 """
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -589,3 +590,62 @@ def test_prepared_data_identity_is_part_of_the_settings(tmp_path):
     with pytest.raises(CheckpointError, match=r"dataset.eval_source: '' -> 'eval_fraction=0.1'; "
                                               r"dataset.train_loss_tokens: \d+ -> \d+"):
         train(TrainSpec(**spec, eval_fraction=0.1))
+
+
+@contextlib.contextmanager
+def _flyte_attempt(checkpoint):
+    """This process as a Flyte task attempt whose intra-task checkpoint is `checkpoint`."""
+    from flytekit.core.context_manager import ExecutionParameters, FlyteContextManager
+
+    ctx = FlyteContextManager.current_context()
+    params = ExecutionParameters.new_builder(ctx.user_space_params)
+    params.checkpoint = checkpoint
+    state = ctx.execution_state.with_params(user_space_params=params.build())
+    with FlyteContextManager.with_context(ctx.with_execution_state(state)):
+        yield
+
+
+def test_default_checkpoint_location_survives_preemption_across_attempts(reference, tmp_path, monkeypatch):
+    """checkpoint_dir="" on a cluster: attempt 1 is evicted after step 5 and saves into its Flyte checkpoint;
+    attempt 2 restores it (signed bytes only), hands it on at once, and resumes with nothing redone."""
+    from flytekit.core.checkpointer import SyncCheckpoint
+
+    from fuseforge_flyte.flyte_checkpoint import MIRROR_ENV, restore_previous
+    from fuseforge_flyte.training.checkpoint import REQUIRE_KEY_ENV
+    from fuseforge_flyte.training.preemption import SIGNAL_ENV, Preempted
+
+    monkeypatch.setenv(KEY_ENV, KEY)
+    first = SyncCheckpoint(checkpoint_dest=str(tmp_path / "flyte" / "attempt-1"))
+    env = {}
+    local = restore_previous(first, nnodes=1, launch_env=env)
+    assert env == {MIRROR_ENV: "1"} and os.listdir(local) == []  # nothing to restore in the first attempt
+    monkeypatch.setenv(MIRROR_ENV, "1")
+    monkeypatch.setenv(SIGNAL_ENV, "0:5")
+    with _flyte_attempt(first), pytest.raises(Preempted):
+        train(_spec(local))
+    monkeypatch.delenv(SIGNAL_ENV)
+    assert "step_00000005" in os.listdir(tmp_path / "flyte" / "attempt-1")  # uploaded within the grace period
+
+    second = SyncCheckpoint(checkpoint_dest=str(tmp_path / "flyte" / "attempt-2"),
+                            checkpoint_src=str(tmp_path / "flyte" / "attempt-1"))
+    env = {}
+    local = restore_previous(second, nnodes=1, launch_env=env)
+    assert env == {MIRROR_ENV: "1", REQUIRE_KEY_ENV: "1"}
+    assert "step_00000005" in os.listdir(tmp_path / "flyte" / "attempt-2")  # handed on before any new save
+    monkeypatch.setenv(REQUIRE_KEY_ENV, "1")
+    with _flyte_attempt(second):
+        resumed = train(_spec(local))
+    assert resumed.resumed_from_step == 5 and resumed.steps_redone == 0
+    assert resumed.loss_curve == reference.loss_curve
+    assert f"step_{STEPS:08d}" in os.listdir(tmp_path / "flyte" / "attempt-2")
+
+
+def test_default_checkpoint_location_is_one_node_only(caplog):
+    from flytekit.core.checkpointer import SyncCheckpoint
+
+    from fuseforge_flyte.flyte_checkpoint import restore_previous
+
+    env = {}
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        assert restore_previous(SyncCheckpoint(checkpoint_dest="/unused"), nnodes=2, launch_env=env) is None
+    assert env == {} and "set checkpoint_dir to an object store" in caplog.text

@@ -86,7 +86,8 @@ def test_good_file_gives_typed_values(tmp_path):
     assert isinstance(spec.lr, float)
     assert (spec.checkpoint_dir, spec.checkpoint_every) == ("s3://bucket/ckpt", 10)
     assert load_config(path, env={}).train_spec().checkpoint_dir == "s3://bucket/ckpt"
-    assert load_config(env={}).train_spec().checkpoint_dir is None  # "" means no checkpointing
+    assert load_config(env={}).train_spec().checkpoint_dir == ""  # the default location (cluster) or none
+    assert load_config(env={}).train_spec().checkpoint_location is None
 
 
 FLYTE = '[flyte]\nproject = "ml"\ndomain = "production"\n'
@@ -107,7 +108,7 @@ FLYTE = '[flyte]\nproject = "ml"\ndomain = "production"\n'
         ('[training]\nstrategy = "horovod"', "[training].strategy: 'horovod' is not one of"),
         ("[training]\nloss_chunk_size = 512.0", "[training].loss_chunk_size must be an integer, got 512.0"),
         ("[training]\nloss_chunk_size = -1", "[training].loss_chunk_size must be a finite value >= 0, got -1"),
-        ("[checkpoint]\nevery = 5", "[checkpoint].every > 0 needs [checkpoint].dir"),
+        ('[checkpoint]\nevery = 5\ndir = "off"', "[checkpoint].every > 0 needs checkpoints, but [checkpoint].dir is 'off'"),
     ],
 )
 def test_wrong_type_or_value_names_file_and_key(tmp_path, body, expected):

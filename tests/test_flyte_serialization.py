@@ -25,7 +25,9 @@ from flytekit.tools.translator import get_serializable
 from google.protobuf.json_format import MessageToDict, ParseDict
 
 from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, load_config
+from fuseforge_flyte.inputs import spec_values
 from fuseforge_flyte.launch import summary_task_options, training_task_options
+from fuseforge_flyte.training.validation import CHOICES
 from fuseforge_flyte.tasks import DEFAULTS, summarize_comparison, train_model
 from fuseforge_flyte.training.spec import TrainSpec
 from fuseforge_flyte.workflows import compare, train
@@ -167,26 +169,52 @@ def test_module_tasks_use_platform_toml():
     assert pod_container(t)["image"].startswith(f"{config.image.registry}/{config.image.name}:")
 
 
-# TrainSpec fields the data-preparation task consumes; the training task gets the prepared `data` instead.
-PREPARATION_FIELDS = {"dataset", "dataset_config", "dataset_split", "data_format", "tokenizer", "packing",
-                      "eval_fraction", "eval_dataset"}
-
 
 def test_workflow_inputs_mirror_trainspec_with_config_defaults():
     spec_fields = [f.name for f in dataclasses.fields(TrainSpec) if f.name != "output_dir"]  # the task picks it
     defaults = dataclasses.asdict(DEFAULTS)
     inputs = train.python_interface.inputs_with_defaults
-    assert list(inputs) == spec_fields, "the train workflow's inputs drifted from TrainSpec"
-    assert {k: v[1] for k, v in inputs.items()} == {k: defaults[k] for k in spec_fields}
+    assert list(inputs) == ["dataset"] + [f for f in spec_fields if f != "dataset"], "train's inputs drifted"
+    assert spec_values({k: v[1] for k, v in inputs.items()}) == {k: defaults[k] for k in spec_fields}
     task_inputs = train_model.python_interface.inputs_with_defaults
-    assert list(task_inputs) == ["data"] + [f for f in spec_fields if f not in PREPARATION_FIELDS]
-    assert {k: v[1] for k, v in task_inputs.items() if k != "data"} == {k: defaults[k] for k in task_inputs if k != "data"}
+    assert list(task_inputs) == ["data"] + [f for f in spec_fields if f != "dataset"]
+    assert spec_values({k: v[1] for k, v in task_inputs.items() if k != "data"}) == {
+        k: defaults[k] for k in task_inputs if k != "data"}
     assert list(train.python_interface.outputs) == ["metrics", "model"]
     compare_inputs = compare.python_interface.inputs_with_defaults
     assert set(spec_fields) - set(compare_inputs) == {"kernels", "checkpoint_dir", "checkpoint_every", "keep_last",
                                                       "resume_allow_changes", "eval_fraction", "eval_dataset",
                                                       "eval_every"}
     assert compare.python_interface.outputs["o0"].__name__ == "Comparison"
+
+
+def test_inputs_have_help_and_choices():
+    """Every input is described (the Flyte console and pyflyte --help show it); str choices are Enums."""
+    for entity in (train, compare, train_model):
+        interface = entity.interface  # the typed interface, with the docstring's descriptions
+        for name, variable in interface.inputs.items():
+            assert len(variable.description) > 15, f"{entity.name}.{name} has no help: {variable.description!r}"
+        for name, allowed in CHOICES.items():
+            if name in interface.inputs and name != "zero_stage":
+                assert variable_enum(interface.inputs[name]) == list(allowed), name
+        assert ":param" not in entity.__doc__  # described once, in the options table
+
+
+def variable_enum(variable) -> list:
+    return list(variable.type.enum_type.values)
+
+
+def test_cli_help_lists_choices_and_help_without_duplicate_warnings():
+    """pyflyte's --help: allowed values, a description per option, no click warnings about duplicated bool flags."""
+    result = subprocess.run(
+        [str(Path(sys.executable).with_name("pyflyte")), "run", str(REPO / "workflows" / "train.py"), "train", "--help"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"},
+    )
+    assert result.returncode == 0, result.stderr
+    output = result.stdout + result.stderr
+    assert "used more than once" not in output
+    assert "[ddp|fsdp|deepspeed]" in output and "[fp32|bf16|fp16]" in output and "[raise|skip]" in output
+    assert "optimizer steps to train" in output and "TEXT|TEXT" not in output
 
 
 @pytest.mark.slow

@@ -277,7 +277,6 @@ def test_dataset_errors_name_the_problem(tmp_path):
     ("data_format", "chat", r"TrainSpec.data_format: 'chat' is not one of"),
     ("eval_every", 5, "the benchmark dataset 'bench:bytes' has no eval split"),
     ("eval_every", -1, "TrainSpec.eval_every must be a finite value >= 0"),
-    ("checkpoint_every", 5, "checkpoint_every > 0 needs TrainSpec.checkpoint_dir"),
     ("offload", True, "TrainSpec.offload applies to strategy='deepspeed'"),
 ])
 def test_bad_spec_values_are_named(field, value, match):

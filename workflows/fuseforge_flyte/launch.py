@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import sys
 from typing import Any, Callable, Dict, Iterator, Optional
@@ -20,10 +21,14 @@ from flytekit.types.directory import FlyteDirectory
 from flytekitplugins.kfpytorch.task import Elastic, PytorchElasticFunctionTask
 from kubernetes.client import V1PodSpec, V1Toleration
 
+from fuseforge_flyte import flyte_checkpoint
 from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, PlatformConfig
 from fuseforge_flyte.image import training_image
 from fuseforge_flyte.training import permanent
 from fuseforge_flyte.training.distributed import SHARED_STORE_ENV
+from fuseforge_flyte.training.spec import CHECKPOINT_OFF
+
+log = logging.getLogger("fuseforge.training")
 
 
 @dataclasses.dataclass
@@ -37,7 +42,13 @@ class ElasticTraining(Elastic):
 
 
 class ElasticTrainingTask(PytorchElasticFunctionTask):
-    """Runs as registered on the cluster; locally, one node of `local_nproc_per_node` workers."""
+    """Runs as registered on the cluster; locally, one node of `local_nproc_per_node` workers.
+
+    A str input named `checkpoint_dir` left empty gets, on a cluster, a local directory that holds the
+    previous attempt's checkpoints and is mirrored to the task's own Flyte checkpoint (see flyte_checkpoint).
+    """
+
+    checkpoint_input = "checkpoint_dir"
 
     def execute(self, **kwargs: Any) -> Any:
         if isinstance(kwargs.get("data"), FlyteDirectory):  # fetched once per pod, before the workers start
@@ -51,10 +62,23 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
         state = FlyteContextManager.current_context().execution_state
         if state is not None and state.is_local_execution():
             launcher = self._one_local_node(launch_env)
+        elif kwargs.get(self.checkpoint_input) == "":
+            kwargs[self.checkpoint_input] = self._default_checkpoint_dir(launch_env) or CHECKPOINT_OFF
         with _environment(launch_env), permanent.failure_directory():
             result = launcher.execute(**kwargs)
         permanent.raise_if_failed(result)  # a failure that restarts cannot fix: raised once, not retried
         return result
+
+    def _default_checkpoint_dir(self, launch_env: Dict[str, str]) -> Optional[str]:
+        import flytekit
+
+        try:
+            checkpoint = flytekit.current_context().checkpoint
+        except (NotImplementedError, AttributeError):
+            log.warning("checkpoint_dir is empty and Flyte gave this task no checkpoint location: nothing is "
+                        "checkpointed; set checkpoint_dir to keep progress across retries")
+            return None
+        return flyte_checkpoint.restore_previous(checkpoint, nnodes=self.max_nodes, launch_env=launch_env)
 
     def _one_local_node(self, launch_env: Dict[str, str]) -> PytorchElasticFunctionTask:
         """This task as one node of `local_nproc_per_node` workers: a separate plain elastic task of the same

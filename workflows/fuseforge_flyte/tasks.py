@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Any, List, NamedTuple, Optional, Union
+from typing import Any, List, NamedTuple, Union
 
 from flytekit import Deck, task
 from flytekit.types.directory import FlyteDirectory
@@ -29,6 +29,7 @@ from flytekit.types.file import FlyteFile
 from fuseforge_flyte.comparison import Comparison, compare_metrics
 from fuseforge_flyte.config import get_config
 from fuseforge_flyte.console import ensure_console_logging
+from fuseforge_flyte.inputs import DataFormat, spec_values, summary_only, training_inputs
 from fuseforge_flyte.launch import (data_task_options, summary_task_options, training_task_options,
                                     use_triton_interpreter_without_cuda)
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
@@ -37,7 +38,7 @@ from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 def check_train_inputs(data: FlyteDirectory, **inputs: Any) -> None:
     """The run as the workers will see it, checked in the launching process: bad inputs, an unknown model,
     or data that does not fit the model fail once, before any worker (or GPU) starts."""
-    spec = TrainSpec(dataset=data.path, **inputs).validate()
+    spec = TrainSpec(dataset=data.path, **spec_values(inputs)).validate()
     from fuseforge_flyte.training.data import check_prepared_fits
 
     check_prepared_fits(spec)
@@ -52,7 +53,7 @@ DEFAULTS = CONFIG.train_spec()
 # A dataset is a hub id or URI (str), or local files that `pyflyte run --remote` uploads (FlyteFile/-Directory).
 DataSource = Union[FlyteFile, FlyteDirectory, str]
 # Bump when the prepared format or the preparation's results change: cached preparations are then redone.
-DATA_CACHE_VERSION = "1"
+DATA_CACHE_VERSION = "2"
 
 
 class TrainOutput(NamedTuple):
@@ -83,7 +84,7 @@ def prepare_data(
     fingerprint: str,
     model: str,
     tokenizer: str,
-    data_format: str,
+    data_format: DataFormat,
     dataset_config: str,
     dataset_split: str,
     seq_len: int,
@@ -102,7 +103,7 @@ def prepare_data(
     if source in BENCHMARK_DATASETS:
         write_benchmark_marker(out_dir, source)
         return FlyteDirectory(path=out_dir)
-    spec = DataSpec(dataset=source, model=model, seq_len=seq_len, tokenizer=tokenizer, data_format=data_format,
+    spec = DataSpec(dataset=source, model=model, seq_len=seq_len, tokenizer=tokenizer, data_format=data_format.value,
                     dataset_config=dataset_config, dataset_split=dataset_split, eval_fraction=eval_fraction,
                     eval_dataset=eval_dataset, packing=packing, seed=seed).validate()
     ensure_console_logging()
@@ -142,65 +143,18 @@ def run_training(spec: TrainSpec) -> TrainOutput:
 
 
 @task(**training_task_options(CONFIG, check_inputs=check_train_inputs))
-def train_model(
-    data: FlyteDirectory,
-    model: str = DEFAULTS.model,
-    eval_every: int = DEFAULTS.eval_every,
-    steps: int = DEFAULTS.steps,
-    batch_size: int = DEFAULTS.batch_size,
-    seq_len: int = DEFAULTS.seq_len,
-    grad_accum: int = DEFAULTS.grad_accum,
-    lr: float = DEFAULTS.lr,
-    weight_decay: float = DEFAULTS.weight_decay,
-    warmup_steps: int = DEFAULTS.warmup_steps,
-    grad_clip: float = DEFAULTS.grad_clip,
-    kernels: bool = DEFAULTS.kernels,
-    loss_chunk_size: int = DEFAULTS.loss_chunk_size,
-    strategy: str = DEFAULTS.strategy,
-    zero_stage: int = DEFAULTS.zero_stage,
-    offload: bool = DEFAULTS.offload,
-    dtype: str = DEFAULTS.dtype,
-    gradient_checkpointing: bool = DEFAULTS.gradient_checkpointing,
-    seed: int = DEFAULTS.seed,
-    checkpoint_dir: Optional[str] = DEFAULTS.checkpoint_dir,
-    checkpoint_every: int = DEFAULTS.checkpoint_every,
-    keep_last: int = DEFAULTS.keep_last,
-    resume_allow_changes: str = DEFAULTS.resume_allow_changes,
-    nonfinite_policy: str = DEFAULTS.nonfinite_policy,
-    log_every: int = DEFAULTS.log_every,
-) -> TrainOutput:
-    """Train `model` on the prepared `data` with torch elastic on this task's GPUs; returns rank 0's
-    throughput/memory/loss metrics and the trained model (Hugging Face format)."""
-    return run_training(
-        TrainSpec(
-            dataset=data.path,
-            model=model,
-            steps=steps,
-            batch_size=batch_size,
-            seq_len=seq_len,
-            grad_accum=grad_accum,
-            lr=lr,
-            weight_decay=weight_decay,
-            warmup_steps=warmup_steps,
-            grad_clip=grad_clip,
-            kernels=kernels,
-            loss_chunk_size=loss_chunk_size,
-            strategy=strategy,
-            zero_stage=zero_stage,
-            offload=offload,
-            dtype=dtype,
-            gradient_checkpointing=gradient_checkpointing,
-            seed=seed,
-            eval_every=eval_every,
-            checkpoint_dir=checkpoint_dir,
-            checkpoint_every=checkpoint_every,
-            keep_last=keep_last,
-            resume_allow_changes=resume_allow_changes,
-            nonfinite_policy=nonfinite_policy,
-            log_every=log_every,
-            output_dir=tempfile.mkdtemp(prefix="fuseforge-model-"),
-        )
-    )
+@training_inputs(DEFAULTS)
+def train_model(data: FlyteDirectory, **settings: Any) -> TrainOutput:
+    """Train a model on the prepared `data` with torch elastic on this task's GPUs; returns rank 0's
+    throughput/memory/loss metrics and the trained model (Hugging Face format).
+
+    :param data: shards written by prepare_data (or a benchmark marker)
+    """
+    return run_training(TrainSpec(dataset=data.path, **spec_values(settings),
+                                  output_dir=tempfile.mkdtemp(prefix="fuseforge-model-")))
+
+
+summary_only(train_model)
 
 
 @task(**summary_task_options(CONFIG))

@@ -9,7 +9,7 @@ On a cluster:  pyflyte run --remote workflows/train.py train --model meta-llama/
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional
+from typing import Any, List, NamedTuple
 
 from flytekit import workflow
 
@@ -17,12 +17,18 @@ from flytekit.core.promise import Promise
 from flytekit.types.directory import FlyteDirectory
 
 from fuseforge_flyte.comparison import Comparison
-from fuseforge_flyte.training.spec import TrainMetrics
+from fuseforge_flyte.inputs import Dtype, summary_only, training_inputs
+from fuseforge_flyte.training.spec import CHECKPOINT_OFF, TrainMetrics
 from fuseforge_flyte.tasks import (DEFAULTS, DataSource, TrainOutput, fingerprint_data, prepare_data,
                                    sample_model, summarize_comparison, train_model)
 
 # Questions in the style of builtin:chat, for the demo's trained model to answer.
 DEMO_PROMPTS = ["What is the capital of France?", "How many letters are in the word apple?", "Hi there."]
+
+
+# The data options: they go to the preparation task (and travel on to training, recorded in its checkpoints).
+DATA_INPUTS = ("model", "tokenizer", "data_format", "dataset_config", "dataset_split", "seq_len", "packing",
+               "eval_fraction", "eval_dataset", "seed")
 
 
 def _prepared(dataset, model, tokenizer, data_format, dataset_config, dataset_split, seq_len, packing,
@@ -36,134 +42,43 @@ def _prepared(dataset, model, tokenizer, data_format, dataset_config, dataset_sp
 
 
 @workflow
-def train(
-    model: str = DEFAULTS.model,
-    dataset: DataSource = DEFAULTS.dataset,
-    dataset_config: str = DEFAULTS.dataset_config,
-    dataset_split: str = DEFAULTS.dataset_split,
-    data_format: str = DEFAULTS.data_format,
-    tokenizer: str = DEFAULTS.tokenizer,
-    packing: bool = DEFAULTS.packing,
-    eval_fraction: float = DEFAULTS.eval_fraction,
-    eval_dataset: str = DEFAULTS.eval_dataset,
-    eval_every: int = DEFAULTS.eval_every,
-    steps: int = DEFAULTS.steps,
-    batch_size: int = DEFAULTS.batch_size,
-    seq_len: int = DEFAULTS.seq_len,
-    grad_accum: int = DEFAULTS.grad_accum,
-    lr: float = DEFAULTS.lr,
-    weight_decay: float = DEFAULTS.weight_decay,
-    warmup_steps: int = DEFAULTS.warmup_steps,
-    grad_clip: float = DEFAULTS.grad_clip,
-    kernels: bool = DEFAULTS.kernels,
-    loss_chunk_size: int = DEFAULTS.loss_chunk_size,
-    strategy: str = DEFAULTS.strategy,
-    zero_stage: int = DEFAULTS.zero_stage,
-    offload: bool = DEFAULTS.offload,
-    dtype: str = DEFAULTS.dtype,
-    gradient_checkpointing: bool = DEFAULTS.gradient_checkpointing,
-    seed: int = DEFAULTS.seed,
-    checkpoint_dir: Optional[str] = DEFAULTS.checkpoint_dir,
-    checkpoint_every: int = DEFAULTS.checkpoint_every,
-    keep_last: int = DEFAULTS.keep_last,
-    resume_allow_changes: str = DEFAULTS.resume_allow_changes,
-    nonfinite_policy: str = DEFAULTS.nonfinite_policy,
-    log_every: int = DEFAULTS.log_every,
-) -> TrainOutput:
+@training_inputs(DEFAULTS)
+def train(dataset: DataSource = DEFAULTS.dataset, **settings: Any) -> TrainOutput:
     """Fine-tune or train a causal LM on a dataset (optionally with the fuseforge kernels).
 
     Returns the throughput/memory/loss/eval metrics and the trained model as a Hugging Face directory.
+
+    :param dataset: what to train on: a Hugging Face hub dataset id, a local or fsspec .json/.jsonl/.parquet/
+        .csv/.txt file or folder (uploaded by pyflyte run --remote), builtin:chat, builtin:text; or the
+        benchmark-only bench:synthetic / bench:bytes
     """
-    data = _prepared(dataset, model, tokenizer, data_format, dataset_config, dataset_split, seq_len, packing,
-                     eval_fraction, eval_dataset, seed)
-    return train_model(
-        data=data,
-        model=model,
-        steps=steps,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        grad_accum=grad_accum,
-        lr=lr,
-        weight_decay=weight_decay,
-        warmup_steps=warmup_steps,
-        grad_clip=grad_clip,
-        kernels=kernels,
-        loss_chunk_size=loss_chunk_size,
-        strategy=strategy,
-        zero_stage=zero_stage,
-        offload=offload,
-        dtype=dtype,
-        gradient_checkpointing=gradient_checkpointing,
-        seed=seed,
-        eval_every=eval_every,
-        checkpoint_dir=checkpoint_dir,
-        checkpoint_every=checkpoint_every,
-        keep_last=keep_last,
-        resume_allow_changes=resume_allow_changes,
-        nonfinite_policy=nonfinite_policy,
-        log_every=log_every,
-    )
+    data = _prepared(dataset, **{name: settings[name] for name in DATA_INPUTS})
+    return train_model(data=data, **settings)
+
+
+# compare: both runs from step 0 (no checkpoints to resume from), no eval (it measures training).
+NOT_COMPARED = ("kernels", "checkpoint_dir", "checkpoint_every", "keep_last", "resume_allow_changes",
+                "eval_fraction", "eval_dataset", "eval_every")
 
 
 @workflow
-def compare(
-    model: str = DEFAULTS.model,
-    dataset: DataSource = DEFAULTS.dataset,
-    dataset_config: str = DEFAULTS.dataset_config,
-    dataset_split: str = DEFAULTS.dataset_split,
-    data_format: str = DEFAULTS.data_format,
-    tokenizer: str = DEFAULTS.tokenizer,
-    packing: bool = DEFAULTS.packing,
-    steps: int = DEFAULTS.steps,
-    batch_size: int = DEFAULTS.batch_size,
-    seq_len: int = DEFAULTS.seq_len,
-    grad_accum: int = DEFAULTS.grad_accum,
-    lr: float = DEFAULTS.lr,
-    weight_decay: float = DEFAULTS.weight_decay,
-    warmup_steps: int = DEFAULTS.warmup_steps,
-    grad_clip: float = DEFAULTS.grad_clip,
-    loss_chunk_size: int = DEFAULTS.loss_chunk_size,
-    strategy: str = DEFAULTS.strategy,
-    zero_stage: int = DEFAULTS.zero_stage,
-    offload: bool = DEFAULTS.offload,
-    dtype: str = DEFAULTS.dtype,
-    gradient_checkpointing: bool = DEFAULTS.gradient_checkpointing,
-    seed: int = DEFAULTS.seed,
-    nonfinite_policy: str = DEFAULTS.nonfinite_policy,
-    log_every: int = DEFAULTS.log_every,
-) -> Comparison:
+@training_inputs(DEFAULTS, exclude=NOT_COMPARED)
+def compare(dataset: DataSource = DEFAULTS.dataset, **settings: Any) -> Comparison:
     """The same run (seed, data, model) with and without the kernels: throughput gain %, memory reduction %.
 
     No checkpointing: both runs must start from step 0 for the comparison to mean anything.
+
+    :param dataset: what to train on (as in train)
     """
-    data = _prepared(dataset, model, tokenizer, data_format, dataset_config, dataset_split, seq_len, packing,
-                     0.0, "", seed)
-    shared = dict(
-        data=data,
-        model=model,
-        steps=steps,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        grad_accum=grad_accum,
-        lr=lr,
-        weight_decay=weight_decay,
-        warmup_steps=warmup_steps,
-        grad_clip=grad_clip,
-        loss_chunk_size=loss_chunk_size,  # used by the run with kernels only
-        strategy=strategy,
-        zero_stage=zero_stage,
-        offload=offload,
-        dtype=dtype,
-        gradient_checkpointing=gradient_checkpointing,
-        seed=seed,
-        checkpoint_dir=None,
-        checkpoint_every=0,
-        nonfinite_policy=nonfinite_policy,
-        log_every=log_every,
-    )
+    data = _prepared(dataset, eval_fraction=0.0, eval_dataset="",
+                     **{name: settings[name] for name in DATA_INPUTS if not name.startswith("eval_")})
+    shared = dict(settings, data=data, checkpoint_dir=CHECKPOINT_OFF, checkpoint_every=0)
     fused = train_model(kernels=True, **shared).with_overrides(name="train-with-kernels")
     baseline = train_model(kernels=False, **shared).with_overrides(name="train-without-kernels")
     return summarize_comparison(with_kernels=fused.metrics, without_kernels=baseline.metrics)
+
+
+summary_only(train, compare)
 
 
 class DemoOutput(NamedTuple):
@@ -179,6 +94,6 @@ def demo(model: str = "tiny-llama", dataset: DataSource = "builtin:chat", steps:
     """The README's main job: a small supervised fine-tuning (chat data, BPE tokenizer, loss on the assistant
     turns only, packed, with eval), then the returned model loaded by plain transformers and asked questions."""
     out = train(model=model, dataset=dataset, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
-                eval_fraction=eval_fraction, eval_every=eval_every, kernels=kernels, dtype="fp32", warmup_steps=5)
+                eval_fraction=eval_fraction, eval_every=eval_every, kernels=kernels, dtype=Dtype.FP32, warmup_steps=5)
     answers = sample_model(model=out.model, prompts=prompts)
     return DemoOutput(metrics=out.metrics, model=out.model, answers=answers)

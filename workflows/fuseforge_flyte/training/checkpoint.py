@@ -510,8 +510,11 @@ class CheckpointManager:
     """Saves and resumes the training state of one strategy (all ranks call every method)."""
 
     def __init__(self, root: str, ctx: DistContext, strategy, *, keep_last: int, fingerprint: Dict[str, list],
-                 model_config: Optional[Dict] = None, settings: Optional[Dict] = None, allow_changes: str = ""):
+                 model_config: Optional[Dict] = None, settings: Optional[Dict] = None, allow_changes: str = "",
+                 after_save: Optional[Callable[[str], None]] = None):
+        """after_save: called on rank 0 with the checkpoint directory once a save is complete (e.g. to upload it)."""
         self.store = Store(root)
+        self.after_save = after_save
         self.ctx = ctx
         self.strategy = strategy
         self.keep_last = keep_last
@@ -598,6 +601,8 @@ class CheckpointManager:
                 self._prune()
             except OSError as err:
                 log.warning("could not remove old checkpoints in %s: %s", self.store.path(""), err)
+        if self.ctx.is_main and self.after_save is not None:
+            self.after_save(self.store.path(""))
         self.ctx.barrier()
         self.last_saved_step = step
         if self.ctx.is_main:

@@ -24,7 +24,7 @@ import torch
 
 from fuseforge_flyte.console import ensure_console_logging
 from fuseforge_flyte.training import faults
-from fuseforge_flyte.training import permanent, preemption
+from fuseforge_flyte.training import permanent, preemption, tracking
 from fuseforge_flyte.training.checkpoint import CheckpointManager, run_settings
 from fuseforge_flyte.training.data import (IGNORE_INDEX, DataPosition, Prefetcher, Sample, ShardedBatches,
                                            TrainingData,
@@ -108,9 +108,10 @@ def _use_special_tokens_of(manifest, model: torch.nn.Module) -> None:
 class _Run:
     """State of one training session on one rank."""
 
-    def __init__(self, spec: TrainSpec, ctx: DistContext):
+    def __init__(self, spec: TrainSpec, ctx: DistContext, tracker: Optional[tracking.Tracker] = None):
         self.spec = spec
         self.ctx = ctx
+        self.tracker = tracker or tracking.Tracker()
         # the data first: a bad dataset fails before any model is built, wrapped or sharded
         self.data = open_training_data(spec, ctx)
         model = _build_model_for(spec, self.data, ctx.device)
@@ -139,12 +140,16 @@ class _Run:
         self.session_start = time.perf_counter()
         self.session_first_step = 0
         self.ckpt = None
-        if spec.checkpoint_dir:
+        if spec.checkpoint_location:
             settings = run_settings(spec, self.data.manifest if self.data is not None else None,
                                     samples_per_step=self.samples_per_step, dtype=self.strategy.dtype)
-            self.ckpt = CheckpointManager(spec.checkpoint_dir, ctx, self.strategy, keep_last=spec.keep_last,
+            from fuseforge_flyte import flyte_checkpoint
+
+            self.ckpt = CheckpointManager(spec.checkpoint_location, ctx, self.strategy, keep_last=spec.keep_last,
                                           fingerprint=fingerprint, model_config=model.config.to_dict(),
-                                          settings=settings, allow_changes=spec.resume_allow_changes)
+                                          settings=settings, allow_changes=spec.resume_allow_changes,
+                                          after_save=flyte_checkpoint.mirror if flyte_checkpoint.mirror_enabled()
+                                          else None)
 
     def _batches(self, position: DataPosition) -> ShardedBatches:
         spec, ctx = self.spec, self.ctx
@@ -298,6 +303,7 @@ class _Run:
         if ctx.is_main:
             log.info("eval after step %d: loss %.4f perplexity %.3f (%d tokens)", self.step, eval_loss,
                      _perplexity(eval_loss), int(tokens))
+            self.tracker.log(self.step, {"eval/loss": eval_loss, "eval/perplexity": _perplexity(eval_loss)})
 
     def _log(self, loss: float, elapsed: float) -> None:
         spec = self.spec
@@ -305,10 +311,15 @@ class _Run:
             return
         done = self.step - self.session_first_step
         per_step = (time.perf_counter() - self.session_start) / max(done, 1)
+        values = {"train/loss": loss, "train/lr": self.strategy.lr(), "train/step_time_s": elapsed,
+                  "train/tokens_per_s": self.tokens_per_step / elapsed if elapsed else 0.0,
+                  "train/data_wait_fraction": self.history.data_wait[-1] / elapsed if elapsed else 0.0,
+                  "train/peak_memory_gib": self.history.memory_gib[-1]}
         log.info("step %d/%d loss %.4f lr %.3g | %.0f tok/s step %.3fs data %.1f%% | mem %.2f GiB | ETA %s",
-                 self.step, spec.steps, loss, self.strategy.lr(), self.tokens_per_step / elapsed if elapsed else 0.0,
-                 elapsed, 100 * self.history.data_wait[-1] / elapsed if elapsed else 0.0,
-                 self.history.memory_gib[-1], _duration(per_step * (spec.steps - self.step)))
+                 self.step, spec.steps, loss, values["train/lr"], values["train/tokens_per_s"], elapsed,
+                 100 * values["train/data_wait_fraction"], values["train/peak_memory_gib"],
+                 _duration(per_step * (spec.steps - self.step)))
+        self.tracker.log(self.step, values)
 
     def save_model(self) -> str:
         """Write the trained model (and the data's tokenizer) as a Hugging Face directory; its path on rank 0."""
@@ -375,11 +386,12 @@ def train(spec: TrainSpec) -> TrainMetrics:
     spec.validate()
     ensure_console_logging()
     ctx = DistContext.from_env(need_group=strategy_class(spec.strategy).needs_process_group)
-    run = None
+    run, tracker = None, tracking.Tracker()
     try:
         if ctx.device.type == "cpu" and spec.dtype != "fp32" and ctx.is_main:
             log.info("CPU run: training in fp32 (dtype=%r applies on GPU)", spec.dtype)
-        run = _Run(spec, ctx)
+        tracker = tracking.start(spec, ctx.is_main)  # [tracking] of platform.toml; a missing library fails here
+        run = _Run(spec, ctx, tracker)
         with preemption.sigterm_handler():  # SIGTERM: finish the step, checkpoint, raise Preempted
             steps_redone = run.resume()
             try:
@@ -397,6 +409,7 @@ def train(spec: TrainSpec) -> TrainMetrics:
             log.info("done: %d steps, final loss %.4f, %.0f tok/s, MFU %.1f%%, peak %.2f GiB", metrics.steps,
                      metrics.final_loss if math.isfinite(metrics.final_loss) else float("nan"),
                      metrics.tokens_per_s, 100 * metrics.mfu, metrics.peak_memory_gib)
+        tracker.finish(metrics)
         return metrics
     finally:
         if run is not None:
@@ -407,3 +420,4 @@ def train(spec: TrainSpec) -> TrainMetrics:
             run = None
             gc.collect()
         ctx.close()
+        tracker.finish()  # after a failure or preemption (no-op after a completed run)

@@ -7,57 +7,74 @@ so that the engine can be driven directly from Python or a CLI.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional
+
+
+CHECKPOINT_OFF = "off"  # checkpoint_dir value that turns checkpoints off, also where a default location exists
+
+
+def _setting(default: Any, help: str) -> Any:
+    """A TrainSpec field with its help text: the one description the CLI, the Flyte console and docs show."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class TrainSpec:
     """One training run. Defaults come from platform.toml's [training] table (see fuseforge_flyte.config)."""
 
-    # a built-in preset (random init), an HF model directory or fsspec URI of one (e.g. a previous run's
-    # output, to continue training), a path to a config.json (random init), or an HF model id
-    model: str = "tiny-llama"
-    # A directory prepared by fuseforge_flyte.data (the Flyte workflows pass the preparation task's output);
-    # or what fuseforge_flyte.data reads (an HF hub id, a local/fsspec .json/.jsonl/.parquet/.csv/.txt
-    # file or folder, "builtin:chat", "builtin:text"), then prepared by the engine itself; or one of the
-    # benchmark-only "bench:synthetic" / "bench:bytes" (no tokenizer, never for fine-tuning).
-    dataset: str = "builtin:chat"
-    dataset_config: str = ""  # HF hub dataset config name
-    dataset_split: str = "train"
-    data_format: str = "auto"  # "auto" | "text" | "messages" | "prompt_completion"
-    tokenizer: str = ""  # "" = the model's own; or an HF id, a directory, an fsspec URI, "builtin:tiny-bpe"
-    packing: bool = True  # pack examples into seq_len rows (no attention across them)
-    eval_fraction: float = 0.0  # share of the examples held out for eval
-    eval_dataset: str = ""  # a separate eval dataset (exclusive with eval_fraction)
-    eval_every: int = 0  # steps between evals (0: only at the end); needs eval data
-    steps: int = 20
-    batch_size: int = 4  # sequences per device per micro-batch
-    seq_len: int = 128
-    grad_accum: int = 1
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
-    kernels: bool = True  # apply fuseforge kernels to the model
-    # tokens per chunk of the fused loss head (kernels=True only; ignored without kernels, so `compare`
-    # can share it); 0 = fuseforge's default. Bigger chunks: faster, higher peak memory.
-    loss_chunk_size: int = 0
-    strategy: str = "ddp"  # "ddp" | "fsdp" | "deepspeed"
-    zero_stage: int = 2  # DeepSpeed ZeRO stage when strategy == "deepspeed"
-    offload: bool = False  # DeepSpeed optimizer/param offload to CPU
-    dtype: str = "bf16"  # "fp32" | "bf16" | "fp16" (CPU runs force fp32)
-    gradient_checkpointing: bool = False
-    seed: int = 0
-    checkpoint_dir: Optional[str] = None  # local dir or fsspec URI; None disables checkpointing
-    checkpoint_every: int = 0  # steps between checkpoints; 0 = only at the end (needs checkpoint_dir)
-    keep_last: int = 2
-    # settings a resume may find changed since the checkpoint, comma-separated (e.g. "lr,steps" to continue
-    # training on a new schedule); any other difference stops the run. Names: see checkpoint.ALLOWABLE_CHANGES
-    resume_allow_changes: str = ""
-    nonfinite_policy: str = "raise"  # "raise" | "skip" on a non-finite loss
-    log_every: int = 1
+    model: str = _setting("tiny-llama", "a built-in preset (random init: tiny-llama, llama-1b, ...), a Hugging Face "
+                          "model id, a local directory or fsspec URI of a Hugging Face model (e.g. a previous run's "
+                          "output, to continue training) or a path to a config.json (random init)")
+    dataset: str = _setting("builtin:chat", "what to train on: a directory prepared by fuseforge_flyte.data (the "
+                            "workflows pass the preparation task's output), a Hugging Face hub dataset id, a local "
+                            "or fsspec .json/.jsonl/.parquet/.csv/.txt file or folder, builtin:chat, builtin:text; "
+                            "or the benchmark-only bench:synthetic / bench:bytes (no tokenizer)")
+    dataset_config: str = _setting("", "the Hugging Face hub dataset's config name")
+    dataset_split: str = _setting("train", "the dataset split to train on (slices such as train[:10%] allowed)")
+    data_format: str = _setting("auto", "how rows become training text: auto (from the columns), text, messages "
+                                "(chat; loss on assistant turns only) or prompt_completion (loss on completions)")
+    tokenizer: str = _setting("", "empty for the model's own; or a Hugging Face id, a directory, an fsspec URI, "
+                              "builtin:tiny-bpe")
+    packing: bool = _setting(True, "pack examples into seq_len rows (attention never crosses examples)")
+    eval_fraction: float = _setting(0.0, "share of the examples held out for evaluation (0 to 1)")
+    eval_dataset: str = _setting("", "a separate evaluation dataset (instead of eval_fraction)")
+    eval_every: int = _setting(0, "steps between evaluations; 0: only at the end (needs eval data)")
+    steps: int = _setting(20, "optimizer steps to train")
+    batch_size: int = _setting(4, "sequences per device per micro-batch")
+    seq_len: int = _setting(128, "tokens per sequence")
+    grad_accum: int = _setting(1, "micro-batches per optimizer step")
+    lr: float = _setting(3e-4, "peak learning rate (AdamW; linear warm-up, then cosine decay)")
+    weight_decay: float = _setting(0.0, "AdamW weight decay")
+    warmup_steps: int = _setting(0, "steps of linear learning-rate warm-up")
+    grad_clip: float = _setting(1.0, "max global gradient norm; 0 disables clipping")
+    kernels: bool = _setting(True, "swap fuseforge's fused Triton kernels into the model")
+    loss_chunk_size: int = _setting(0, "tokens per chunk of the fused loss head (with kernels); 0: fuseforge's "
+                                    "default. Bigger chunks: faster, more peak memory")
+    strategy: str = _setting("ddp", "data parallelism: ddp, fsdp (FSDP2, sharded) or deepspeed (ZeRO)")
+    zero_stage: int = _setting(2, "DeepSpeed ZeRO stage (1, 2 or 3) when strategy is deepspeed")
+    offload: bool = _setting(False, "DeepSpeed: offload optimizer state and parameters to CPU memory")
+    dtype: str = _setting("bf16", "training precision on GPUs: bf16, fp16 or fp32 (CPU runs use fp32)")
+    gradient_checkpointing: bool = _setting(False, "recompute activations in the backward pass to save memory")
+    seed: int = _setting(0, "seed of the model's initialisation, the data order and dropout")
+    checkpoint_dir: str = _setting("", "where checkpoints go: a local directory or fsspec URI (s3://, gs://, ...); "
+                                   "empty: on a cluster, the task's own Flyte checkpoint (kept across retries, "
+                                   "one node only), locally none; off: none")
+    checkpoint_every: int = _setting(0, "steps between checkpoints; 0: only at the end and on preemption")
+    keep_last: int = _setting(2, "checkpoints kept (older ones are deleted)")
+    resume_allow_changes: str = _setting("", "comma-separated settings a resume may find changed since the "
+                                         "checkpoint (e.g. lr,steps to continue on a new schedule); any other "
+                                         "difference stops the run")
+    nonfinite_policy: str = _setting("raise", "on a non-finite loss: raise (stop) or skip (drop the step on every "
+                                     "rank)")
+    log_every: int = _setting(1, "steps between progress lines")
     # where rank 0 writes the trained model as a Hugging Face directory at the end; None = not saved
     output_dir: Optional[str] = None
+
+    @property
+    def checkpoint_location(self) -> Optional[str]:
+        """The directory or URI this worker checkpoints to; None for none ("" reaches a worker only where the
+        task found no default location, e.g. a local run)."""
+        return None if self.checkpoint_dir in ("", CHECKPOINT_OFF) else self.checkpoint_dir
 
     def data_spec(self):
         """The fuseforge_flyte.data.DataSpec this run's dataset is prepared with."""

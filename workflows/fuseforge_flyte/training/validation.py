@@ -13,6 +13,7 @@ import typing
 from fuseforge_flyte.data.spec import DATA_FORMATS
 from fuseforge_flyte.training.data import BENCHMARK_DATASETS, resolve_benchmark
 from fuseforge_flyte.training.models import is_known_model, unknown_model_message
+from fuseforge_flyte.training.spec import CHECKPOINT_OFF
 
 CHOICES = {
     "strategy": ("ddp", "fsdp", "deepspeed"),
@@ -62,8 +63,8 @@ def validate_spec(spec) -> None:
     if not spec.model or not is_known_model(spec.model):
         raise ValueError(unknown_model_message(spec.model))
     _check_data(spec)
-    if spec.checkpoint_every > 0 and not spec.checkpoint_dir:
-        raise ValueError("TrainSpec.checkpoint_every > 0 needs TrainSpec.checkpoint_dir")
+    if spec.checkpoint_every > 0 and spec.checkpoint_dir == CHECKPOINT_OFF:
+        raise ValueError(f"TrainSpec.checkpoint_every > 0 needs checkpoints, but TrainSpec.checkpoint_dir is {CHECKPOINT_OFF!r}")
     if spec.offload and spec.strategy != "deepspeed":
         raise ValueError(f"TrainSpec.offload applies to strategy='deepspeed' only, got strategy={spec.strategy!r}")
     if spec.strategy == "fsdp" and spec.dtype == "fp16":
