@@ -136,7 +136,7 @@ def test_wrong_type_in_required_sections(tmp_path, text, expected):
 @pytest.mark.parametrize(
     "body, expected",
     [
-        ("[clustr]\ngpus = 1", 'unknown section [clustr] (known sections: image, cluster, flyte, elastic, training, checkpoint, data); did you mean "cluster"?'),
+        ("[clustr]\ngpus = 1", 'unknown section [clustr] (known sections: image, cluster, flyte, elastic, training, checkpoint, data, tracking); did you mean "cluster"?'),
         ("[cluster]\ngpu = 1", 'unknown key [cluster].gpu'),
         ("[cluster]\ngpu = 1", 'did you mean "gpus"?'),
         ('[[cluster.tolerations]]\nkey = "a"\nsecs = 3', "unknown key [cluster].tolerations[0].secs"),

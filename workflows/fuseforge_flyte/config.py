@@ -173,7 +173,7 @@ class ElasticConfig:
 class CheckpointConfig:
     """Where and how often training checkpoints are written (maps to TrainSpec.checkpoint_*)."""
 
-    dir: str = _setting("")  # local dir or fsspec URI; "" disables checkpointing
+    dir: str = _setting("")  # local dir or fsspec URI; "": the task's own Flyte checkpoint on a cluster; "off": none
     every: int = _setting(0, **_at_least(0))
     keep_last: int = _setting(2, **_at_least(1))
 
@@ -184,6 +184,21 @@ class DataConfig:
 
     cpu: Quantity = _setting("4", desc='a Kubernetes quantity such as "4" or "500m"')
     memory: Quantity = _setting("16Gi", desc='a Kubernetes quantity such as "16Gi"')
+
+
+@dataclass(frozen=True)
+class TrackingConfig:
+    """Optional experiment tracking of the training metrics (rank 0 only); off by default.
+
+    Secrets never live here: W&B reads WANDB_API_KEY from the environment.
+    """
+
+    backend: str = _setting("", **_one_of("", "tensorboard", "wandb"))  # "": off
+    project: str = _setting("fuseforge", **_NONEMPTY)  # W&B project
+    entity: str = _setting("")  # W&B team or user; "": the API key's default entity
+    run_name: str = _setting("")  # "": <model>-<UTC time>
+    log_dir: str = _setting("runs", **_NONEMPTY)  # TensorBoard: local dir or fsspec URI, events in <log_dir>/<run_name>
+    mode: str = _setting("online", **_one_of("online", "offline"))  # W&B: offline writes ./wandb, sync later
 
 
 # TrainSpec fields that platform.toml sets in [checkpoint] rather than [training].
@@ -223,13 +238,14 @@ class PlatformConfig:
     training: TrainingDefaults  # type: ignore[valid-type]
     checkpoint: CheckpointConfig
     data: DataConfig = DataConfig()
+    tracking: TrackingConfig = TrackingConfig()
     source: str = field(default="built-in defaults", compare=False)  # where it was read from, for messages
 
     def train_spec(self, **overrides: Any) -> TrainSpec:
         """A TrainSpec with this config's defaults, then `overrides` applied."""
         values = dataclasses.asdict(self.training)
         values.update(
-            checkpoint_dir=self.checkpoint.dir or None,
+            checkpoint_dir=self.checkpoint.dir,
             checkpoint_every=self.checkpoint.every,
             keep_last=self.checkpoint.keep_last,
         )
@@ -262,6 +278,7 @@ _SECTIONS: Dict[str, type] = {
     "training": TrainingDefaults,
     "checkpoint": CheckpointConfig,
     "data": DataConfig,
+    "tracking": TrackingConfig,
 }
 
 # Values for the required keys when no config file exists at all (the repo's platform.toml has the same).
