@@ -70,6 +70,10 @@ class FakeWandb(types.ModuleType):
 @pytest.fixture
 def fake_wandb(monkeypatch):
     fake = FakeWandb()
+    # Import what probes for wandb (accelerate, via transformers) first: it would find the fake without a spec.
+    import accelerate  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+
     monkeypatch.setitem(sys.modules, "wandb", fake)
     return fake
 
