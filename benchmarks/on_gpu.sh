@@ -8,8 +8,9 @@ OUT="${OUT:-/tmp/fuseforge-out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/kernels:$PWD/workflows${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
+    # .whl/flyte/: flytekit and the parts of its closure the GPU image lacks (for @training_task runs)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+        $(ls .whl/flyte/*.whl 2>/dev/null) && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.log"
 run_step() {
@@ -47,6 +48,15 @@ for step in "$@"; do
             --op fused_add_rms_norm --op cross_entropy --op swiglu --json "$OUT/sweep.json" ;;
         flce) run_step "$step" python3 benchmarks/bench_flce.py --impls fuseforge,liger ;;
         model) run_step "$step" python3 benchmarks/bench_model.py --variants liger fuseforge ;;
+        tests-issue19) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_preference_losses.py \
+            tests/test_grpo_loss.py ;;
+        tests-issue18) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_trainer_integration.py ;;
+        tests-export) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_model_export.py ;;
+        bench-preference) STEP_TIMEOUT=480 run_step "$step" python3 benchmarks/bench_preference.py --out "$OUT/pref.json" ;;
+        bench-trainer) STEP_TIMEOUT=480 run_step "$step" python3 benchmarks/bench_trainer.py --out "$OUT/trainer.json" ;;
+        engine-llama1b) for k in kernels no-kernels; do STEP_TIMEOUT=240 run_step "$step-$k" python3 -m \
+            fuseforge_flyte.training --model llama-1b --dataset bench:synthetic --steps 30 --batch-size 4 \
+            --seq-len 2048 --dtype bf16 --$k --output "$OUT/engine-$k.json"; done ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done
