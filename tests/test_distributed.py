@@ -208,3 +208,10 @@ def test_deepspeed_checkpoint_resume(deepspeed_on_cpu, tmp_path, monkeypatch, ze
     resumed = train(spec)
     assert resumed.resumed_from_step == 2 and resumed.steps_redone == 1
     assert resumed.loss_curve == uninterrupted.loss_curve
+
+
+def test_zero3_in_process_leaves_torch_linear_as_it_was(deepspeed_on_cpu):
+    """ZeRO-3 replaces torch.nn.functional.linear process-wide; the strategy puts torch's back when done."""
+    original = torch.nn.functional.linear
+    train(_spec(steps=1, batch_size=2, strategy="deepspeed", zero_stage=3))
+    assert torch.nn.functional.linear is original

@@ -443,8 +443,14 @@ class DeepSpeedStrategy(Strategy):
     def close(self) -> None:
         """Drop the engine's hooks and DeepSpeed's cached process groups (stale once the group is destroyed)."""
         import deepspeed.comm
+        from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
 
         self.engine.destroy()
+        # ZeRO-3 swaps torch.nn.functional.linear for its own process-wide ("persists unless manually
+        # reset"): put torch's back, or every later linear in this process runs through DeepSpeed's.
+        original_linear = getattr(InsertPostInitMethodToModuleSubClasses, "linear_bk", None)
+        if original_linear is not None:
+            torch.nn.functional.linear = original_linear
         if self.ctx.owns_group:
             deepspeed.comm.destroy_process_group()
             self.ctx.owns_group = False
