@@ -29,7 +29,7 @@ EXAMPLES = REPO / "examples" / "flyte"
 
 
 def long_conversations(count: int, seq_len: int, seed: int = 0) -> list:
-    """`count` conversations of about seq_len tokens each, made of the shipped ones in a seeded order."""
+    """`count` conversations of at least seq_len tokens each (truncated to seq_len: one shape every step), made of the shipped ones in a seeded order."""
     from fuseforge_flyte.data.builtin import CHAT_FILE, asset_path
     from fuseforge_flyte.data.tokenizer import load_tokenizer
 
@@ -41,7 +41,7 @@ def long_conversations(count: int, seq_len: int, seed: int = 0) -> list:
     out = []
     for _ in range(count):
         messages, tokens = [], 0
-        while tokens < seq_len:
+        while tokens < seq_len * 1.25:  # margin for the dropped system turns: every row truncates to seq_len
             i = rng.randrange(len(chats))
             messages += [m for m in chats[i] if m["role"] != "system"]
             tokens += lengths[i]
@@ -66,7 +66,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a tiny Llama, 3 steps of 64 tokens (CPU)")
     parser.add_argument("--model", default=None, help='default "llama-1b" ("tiny-llama" with --quick)')
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default 30; 3 with --quick)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (default 60; 3 with --quick)")
     parser.add_argument("--batch-size", type=int, default=None, help="per worker (default 4; 2 with --quick)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 2048 (64 with --quick)")
     parser.add_argument("--grad-accum", type=int, default=1)
@@ -76,7 +76,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, help="write both metrics and the ratios here as JSON")
     args = parser.parse_args(argv)
     model = args.model or ("tiny-llama" if args.quick else "llama-1b")
-    steps = args.steps or (3 if args.quick else 30)
+    steps = args.steps or (3 if args.quick else 60)
     batch = args.batch_size or (2 if args.quick else 4)
     seq_len = args.seq_len or (64 if args.quick else 2048)
     if args.workers is not None:  # read when the example's task is defined, i.e. imported below
