@@ -70,6 +70,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="per worker (default 4; 2 with --quick)")
     parser.add_argument("--seq-len", type=int, default=None, help="default 2048 (64 with --quick)")
     parser.add_argument("--grad-accum", type=int, default=1)
+    parser.add_argument("--fp32-weights", action="store_true",
+                        help="fp32 weights under bf16 autocast (the engine's precision) instead of bf16 weights")
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--workers", type=int, default=None,
                         help="[elastic].local_nproc_per_node for this run (default: platform.toml's, capped at the GPUs)")
@@ -100,6 +102,7 @@ def main(argv=None) -> None:
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     settings = dict(model=model, dataset=str(data), steps=steps, batch_size=batch, grad_accum=args.grad_accum,
+                    fp32_weights=args.fp32_weights,
                     seq_len=seq_len, lr=args.lr)
     results = {}
     for kernels in (False, True):

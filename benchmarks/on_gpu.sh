@@ -54,6 +54,7 @@ for step in "$@"; do
         tests-export) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_model_export.py ;;
         bench-preference) STEP_TIMEOUT=480 run_step "$step" python3 benchmarks/bench_preference.py --out "$OUT/pref.json" ;;
         bench-trainer) STEP_TIMEOUT=480 run_step "$step" python3 benchmarks/bench_trainer.py --out "$OUT/trainer.json" ;;
+        bench-trainer-fp32w) STEP_TIMEOUT=480 run_step "$step" python3 benchmarks/bench_trainer.py --fp32-weights --out "$OUT/trainer-fp32w.json" ;;
         engine-llama1b) for k in kernels no-kernels; do STEP_TIMEOUT=240 run_step "$step-$k" python3 -m \
             fuseforge_flyte.training --model llama-1b --dataset bench:synthetic --steps 30 --batch-size 4 \
             --seq-len 2048 --dtype bf16 --$k --output "$OUT/engine-$k.json"; done ;;

@@ -81,8 +81,11 @@ def load_model(name: str, vocab_size: int, bf16: bool):
 @training_task
 def sft(model: str = "tiny-llama", dataset: str = "", split: str = "train", tokenizer: str = "builtin:tiny-bpe",
         steps: int = 4, batch_size: int = 2, grad_accum: int = 1, seq_len: int = 64, lr: float = 3e-3,
-        kernels: bool = True) -> TrainMetrics:
-    """Supervised fine-tuning with transformers.Trainer on every worker; rank 0's metrics come back."""
+        kernels: bool = True, fp32_weights: bool = False) -> TrainMetrics:
+    """Supervised fine-tuning with transformers.Trainer on every worker; rank 0's metrics come back.
+
+    On a GPU the weights and optimizer state are bf16 (least memory); fp32_weights keeps fp32 weights and
+    runs under bf16 autocast (mixed precision, as fuseforge's own engine does)."""
     import torch
     import transformers
 
@@ -93,7 +96,7 @@ def sft(model: str = "tiny-llama", dataset: str = "", split: str = "train", toke
     tok = load_tokenizer(tokenizer, model)  # "" = the model's own tokenizer
     train = load_chat(dataset, split)
     train = train.map(lambda ex: tokenize_chat(tok, ex["messages"], seq_len), remove_columns=train.column_names)
-    net = load_model(model, len(tok), bf16=cuda)
+    net = load_model(model, len(tok), bf16=cuda and not fp32_weights)
     if kernels:
         from fuseforge.transformers import apply_kernels  # imported in the worker: Triton's mode is set by now
 
