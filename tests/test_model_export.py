@@ -39,7 +39,7 @@ def _train_steps(strategy, vocab: int, seed: int, steps: int = 2) -> None:
     """A few optimizer steps on random tokens (seeded per rank: ranks see different data)."""
     gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        ids = torch.randint(0, vocab, (2, SEQ), generator=gen)
+        ids = torch.randint(0, vocab, (2, SEQ), generator=gen).to(strategy.ctx.device)
         strategy.backward(strategy.forward({"input_ids": ids, "labels": ids}, True))
         strategy.optimizer_step()
 
@@ -70,7 +70,9 @@ def _launch(fn, *args):
     from fuseforge_flyte.training.local import _free_port
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d", max_restarts=0,
-                          rdzv_endpoint=f"127.0.0.1:{_free_port()}", start_method="fork", monitor_interval=0.1)
+                          rdzv_endpoint=f"127.0.0.1:{_free_port()}", monitor_interval=0.1,
+                          # fork is fast, but a child of a process that has used CUDA cannot use it
+                          start_method="spawn" if torch.cuda.is_initialized() else "fork")
     return elastic_launch(config, fn)(*args)
 
 
