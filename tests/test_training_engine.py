@@ -72,6 +72,20 @@ def test_kernels_patch_the_model_and_match_the_unfused_run():
     torch.testing.assert_close(fused.loss_curve, plain.loss_curve, rtol=1e-4, atol=1e-4)
 
 
+def test_skip_kernels_leaves_those_kernels_out():
+    """Per-kernel switches from the platform's inputs: the named kernels stay unpatched, the rest are fused."""
+    m = train(TrainSpec(**dict(TINY, steps=1, kernels=True, skip_kernels="rope, swiglu")))
+    assert {"rms_norm", "fused_linear_cross_entropy"} <= set(m.kernels_patched)
+    assert not {"rope", "swiglu"} & set(m.kernels_patched)
+
+
+def test_kernel_switches_are_apply_kernels_flags():
+    from fuseforge.transformers import DEFAULT_FLAGS
+    from fuseforge_flyte.training.validation import KERNEL_SWITCHES
+
+    assert set(KERNEL_SWITCHES) == set(DEFAULT_FLAGS) - {"cross_entropy"}
+
+
 def test_loss_chunk_size_reaches_apply_kernels_and_trains_the_same(monkeypatch):
     import fuseforge.transformers as hf
     from fuseforge_flyte.training.engine import _apply_kernels
@@ -90,7 +104,7 @@ def test_loss_chunk_size_reaches_apply_kernels_and_trains_the_same(monkeypatch):
     plain = train(TrainSpec(**spec))  # without kernels the chunk size is unused
     assert len(seen) == 1 and plain.kernels_patched == []
     torch.testing.assert_close(chunked.loss_curve, plain.loss_curve, rtol=1e-4, atol=1e-4)
-    _apply_kernels(build_model("tiny-llama", seed=0, device="cpu"), 0, log_it=False)
+    _apply_kernels(build_model("tiny-llama", seed=0, device="cpu"), TrainSpec(**TINY), log_it=False)
     assert seen[-1] == ({"loss_chunk_size": None}, None)  # 0 = fuseforge's default rule
 
 
@@ -278,6 +292,7 @@ def test_dataset_errors_name_the_problem(tmp_path):
     ("eval_every", 5, "the benchmark dataset 'bench:bytes' has no eval split"),
     ("eval_every", -1, "TrainSpec.eval_every must be a finite value >= 0"),
     ("offload", True, "TrainSpec.offload applies to strategy='deepspeed'"),
+    ("skip_kernels", "rope,flash", r"TrainSpec.skip_kernels: unknown kernel 'flash'; use names from \['rms_norm'"),
 ])
 def test_bad_spec_values_are_named(field, value, match):
     with pytest.raises(ValueError, match=match):

@@ -36,6 +36,7 @@ from fuseforge_flyte.training.metrics import (History, final_loss, peak_memory_g
 from fuseforge_flyte.training.models import PRESETS, build_model, load_config, model_flops, peak_flops
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 from fuseforge_flyte.training.strategies import Strategy, make_strategy, strategy_class
+from fuseforge_flyte.training.validation import skipped_kernels
 
 log = logging.getLogger("fuseforge.training")
 
@@ -48,14 +49,15 @@ class NonFiniteLossError(FloatingPointError):
     """The loss of a step was NaN/inf and nonfinite_policy is "raise"."""
 
 
-def _apply_kernels(model: torch.nn.Module, loss_chunk_size: int, log_it: bool) -> List[str]:
-    """Patch the model in place with fuseforge's kernels; the names of the kernels that were applied.
+def _apply_kernels(model: torch.nn.Module, spec: TrainSpec, log_it: bool) -> List[str]:
+    """Patch the model in place with fuseforge's kernels but spec.skip_kernels; the names of those applied.
 
     loss_chunk_size 0 means fuseforge's own default (Flyte inputs are plain ints, not Optional).
     """
     from fuseforge.transformers import apply_kernels  # lazy: the kernels need triton
 
-    report = apply_kernels(model, loss_chunk_size=loss_chunk_size or None)
+    off = {name: False for name in skipped_kernels(spec)}
+    report = apply_kernels(model, loss_chunk_size=spec.loss_chunk_size or None, **off)
     if log_it:
         log.info("%s", report.summary())
     return report.patched_kernels()
@@ -127,7 +129,7 @@ class _Run:
         self.samples_per_step = ctx.world_size * spec.batch_size * spec.grad_accum
         self.tokens_per_step = self.samples_per_step * spec.seq_len
         self._batches(DataPosition())  # raises if one global step needs more sequences than there are
-        self.kernels_patched = _apply_kernels(model, spec.loss_chunk_size, ctx.is_main) if spec.kernels else []
+        self.kernels_patched = _apply_kernels(model, spec, ctx.is_main) if spec.kernels else []
         if spec.gradient_checkpointing:
             _enable_activation_checkpointing(model)
         self.flops = model_flops(model, spec.seq_len)

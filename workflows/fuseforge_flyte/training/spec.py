@@ -48,6 +48,8 @@ class TrainSpec:
     warmup_steps: int = _setting(0, "steps of linear learning-rate warm-up")
     grad_clip: float = _setting(1.0, "max global gradient norm; 0 disables clipping")
     kernels: bool = _setting(True, "swap fuseforge's fused Triton kernels into the model")
+    skip_kernels: str = _setting("", "comma-separated kernels to leave out when kernels is on: rms_norm, "
+                                 "layer_norm, rope, swiglu, fused_linear_cross_entropy")
     loss_chunk_size: int = _setting(0, "tokens per chunk of the fused loss head (with kernels); 0: fuseforge's "
                                     "default. Bigger chunks: faster, more peak memory")
     strategy: str = _setting("ddp", "data parallelism: ddp, fsdp (FSDP2, sharded) or deepspeed (ZeRO)")

@@ -22,6 +22,9 @@ CHOICES = {
     "zero_stage": (1, 2, 3),
     "data_format": DATA_FORMATS,
 }
+# apply_kernels' switches a run may turn off (fuseforge.transformers.DEFAULT_FLAGS, minus cross_entropy, which
+# only serves models whose loss computes logits: it is off there by default).
+KERNEL_SWITCHES = ("rms_norm", "layer_norm", "rope", "swiglu", "fused_linear_cross_entropy")
 POSITIVE = ("steps", "batch_size", "grad_accum", "keep_last", "log_every")
 NON_NEGATIVE = ("warmup_steps", "checkpoint_every", "weight_decay", "grad_clip", "seed", "loss_chunk_size",
                 "eval_every")
@@ -60,6 +63,10 @@ def validate_spec(spec) -> None:
     for name, allowed in CHOICES.items():
         if getattr(spec, name) not in allowed:
             raise ValueError(f"TrainSpec.{name}: {getattr(spec, name)!r} is not one of {list(allowed)}")
+    unknown = [name for name in skipped_kernels(spec) if name not in KERNEL_SWITCHES]
+    if unknown:
+        raise ValueError(f"TrainSpec.skip_kernels: unknown kernel {unknown[0]!r}; use names from "
+                         f"{list(KERNEL_SWITCHES)}, separated by commas")
     if not spec.model or not is_known_model(spec.model):
         raise ValueError(unknown_model_message(spec.model))
     _check_data(spec)
@@ -74,6 +81,11 @@ def validate_spec(spec) -> None:
             "TrainSpec.nonfinite_policy='skip' with strategy='deepspeed' needs grad_accum=1 "
             "(DeepSpeed owns gradient accumulation, so a step cannot be dropped half-way)"
         )
+
+
+def skipped_kernels(spec) -> list:
+    """The kernel names in spec.skip_kernels (commas and spaces separate them)."""
+    return [name for name in spec.skip_kernels.replace(",", " ").split() if name]
 
 
 def _check_data(spec) -> None:
