@@ -226,9 +226,12 @@ def test_grpo_matches_reference(loss_type, dtype, beta, ref_as, old_given, level
         assert float(got["clip_ratio/region_mean"]) > 0  # the case exercises clipping
     out.loss.backward()
     want.backward()
+    # The k3 KL's gradient carries exp(ref - logp): where a random reference sits far above the policy
+    # (e^6 here and there), it multiplies the log-probs' own fp32 rounding; the tolerance follows it.
+    kl_amplification = max(1.0, beta * float(torch.exp(ref_tok - tok.detach())[mask].max())) if beta else 1.0
     for name, g, r in zip(("hidden", "weight", "bias"), (h, w, b), (rh, rw, rb)):
         if r is not None:
-            assert_grad_close(g.grad, r.grad, dtype, name, scale)
+            assert_grad_close(g.grad, r.grad, dtype, name, scale * kl_amplification)
     assert h.grad[1].abs().max() == 0  # the fully ignored completion
 
 
