@@ -341,21 +341,6 @@ def test_apply_kernels_names_what_it_cannot_patch(tokenizer, tmp_path):
 PROMPTS = ["the cat", "hello world", "a b c", "one two"]
 
 
-def dpo_trainer(tokenizer, tmp_path):
-    model = tiny_llama(tokenizer)
-    data = datasets.Dataset.from_dict(
-        {
-            "prompt": PROMPTS,
-            "chosen": [" sat on the mat", " and more", " d e f", " three four"],
-            "rejected": [" ran", " no", " x y", " five"],
-        }
-    )
-    args = trl.DPOConfig(**common_args(tmp_path, max_length=32))
-    return trl.DPOTrainer(
-        model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=data, processing_class=tokenizer
-    )
-
-
 def kto_trainer(tokenizer, tmp_path):
     model = tiny_llama(tokenizer)
     data = datasets.Dataset.from_dict(
@@ -368,20 +353,6 @@ def kto_trainer(tokenizer, tmp_path):
     args = trl.KTOConfig(**common_args(tmp_path, max_length=32))
     return trl.KTOTrainer(
         model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=data, processing_class=tokenizer
-    )
-
-
-def grpo_trainer(tokenizer, tmp_path):
-    def longer_is_better(completions, **kwargs):
-        return [float(len(c)) for c in completions]
-
-    args = trl.GRPOConfig(**common_args(tmp_path, max_steps=1, num_generations=2, max_completion_length=4, beta=0.0))
-    return trl.GRPOTrainer(
-        model=tiny_llama(tokenizer),
-        reward_funcs=longer_is_better,
-        args=args,
-        train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
-        processing_class=tokenizer,
     )
 
 
@@ -402,10 +373,9 @@ def gkd_trainer(tokenizer, tmp_path):
     )
 
 
+# DPOTrainer's and GRPOTrainer's losses run through fused losses: tests/test_trainer_fused_losses.py.
 OWN_LOSS_TRAINERS = {
-    "DPOTrainer": (dpo_trainer, "ref_model"),
     "KTOTrainer": (kto_trainer, "ref_model"),
-    "GRPOTrainer": (grpo_trainer, None),
     "GKDTrainer": (gkd_trainer, "teacher_model"),
 }
 

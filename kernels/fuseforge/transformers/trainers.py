@@ -15,10 +15,37 @@ class hierarchy (so subclasses inherit their parent's entry):
   while evaluation keeps TRL's path. The two training metrics need per-token logits
   statistics the fused loss never computes; they are not logged (one warning says so).
   `fused_linear_cross_entropy=False` keeps TRL's own head and both metrics.
-- TRL's `DPOTrainer`, `KTOTrainer`, `GRPOTrainer`, `RLOOTrainer`, `GKDTrainer`,
-  `DistillationTrainer` and `RewardTrainer` compute their loss themselves (from per-token
-  log-probabilities or logits), never from the model's `loss`: their models keep the
-  norm / RoPE / MLP kernels and get no fused loss, so their numbers are unchanged.
+- TRL's `DPOTrainer` computes its loss itself from per-token log-probabilities: its models
+  keep the norm / RoPE / MLP kernels without fused linear cross-entropy, and its bound
+  `compute_loss` is wrapped so that each training step runs fuseforge's
+  `fused_linear_dpo_loss` on the policy's (and the reference model's) last hidden states and
+  LM head weight, chunked over the tokens (`loss_chunk_size` sizes the chunks), never building
+  [tokens, vocab] logits. Loss types sigmoid, hinge, ipo and robust (one loss type, any
+  `loss_weights` entry); the reference log-probs come from TRL's precomputed
+  `ref_chosen_logps` / `ref_rejected_logps` or from the reference model. The loss, its
+  gradients and the metrics rewards/*, logps/*, logits/chosen, logits/rejected (the mean logit
+  over the vocabulary is `hidden @ weight.mean(0)`, cheap) and num_tokens are TRL's; `entropy`
+  and `mean_token_accuracy` need every logit and are not logged in training (one warning;
+  evaluation keeps TRL's path and logs them). Anything else falls back to TRL's own loss with
+  one warning naming the reason (`_dpo_unsupported` holds the checks): another or several loss
+  types, f-divergences, `ld_alpha`, WPO weighting, a MoE router loss, padding-free batches,
+  vision inputs, PEFT, Liger, context / sequence parallelism, more than one process, a model
+  that scales or caps its logits, a subclass overriding `compute_loss` / `_compute_loss`.
+  `fused_linear_cross_entropy=False` keeps TRL's loss without a warning.
+- TRL's `GRPOTrainer` likewise trains on fuseforge's `fused_linear_grpo_loss` (loss types grpo,
+  dr_grpo, dapo, bnpo; token- or sequence-level importance sampling, `delta`, `beta` with the
+  reference log-probs TRL stores in the batch, TRL's gradient-accumulation normalisation). The
+  loss, gradients and metrics (kl, clip_ratio/*) are TRL's; `entropy` needs every logit and is
+  not logged in training (one warning). Generation and TRL's scoring of old / reference
+  log-probs between updates stay TRL's. Falls back with one warning for other loss types,
+  `off_policy_mask_threshold`, `top_entropy_quantile < 1`, an entropy bonus, vLLM, vision
+  inputs, `cast_lm_head_to_fp32`, PEFT references and the settings listed for DPO (MoE,
+  Liger, parallelism, several processes, logit scaling, overrides); batches with a `tool_mask`
+  take TRL's loss (one warning).
+- TRL's `KTOTrainer`, `RLOOTrainer`, `GKDTrainer`, `DistillationTrainer` and
+  `RewardTrainer` compute their loss themselves (from per-token log-probabilities or
+  logits), never from the model's `loss`: their models keep the norm / RoPE / MLP kernels
+  and get no fused loss, so their numbers are unchanged.
 - A trainer that overrides `compute_loss` below its known ancestor might read
   `outputs.logits`: its model gets no fused loss either, with a warning.
 
@@ -28,6 +55,7 @@ entry, which runs on the patched model and may replace the trainer's loss comput
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -41,6 +69,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fuseforge.ops.grpo import fused_linear_grpo_loss
+from fuseforge.ops.preference import fused_linear_dpo_loss
 from fuseforge.transformers.loss import LOSS_SPEC_ATTR
 from fuseforge.transformers.patching import _STATE_ATTR, apply_kernels, unpatch
 from fuseforge.transformers.report import PatchReport
@@ -61,9 +91,10 @@ class TrainerPolicy:
     uses_model_loss: the trainer trains on the model's own `loss`, so fused linear
     cross-entropy can compute it; otherwise the model gets no fused loss and `reason`
     says why. check(trainer) -> str | None, before patching: why this trainer's settings
-    rule the fused loss out after all (None: they do not). adapt(trainer, model), after
-    the model is patched (with or without the fused loss): adapts the trainer instance to
-    the patched model. A trainer-specific fused loss (preference, RL) is installed here.
+    rule the fused loss out after all (None: they do not). adapt(trainer, model, options),
+    after the model is patched (with or without the fused loss): adapts the trainer instance
+    to the patched model and may return a note for the report. A trainer-specific fused loss
+    (preference, RL) is installed here.
     """
 
     uses_model_loss: bool
@@ -152,7 +183,7 @@ def _count_sft_tokens(trainer, inputs: dict) -> None:
     metrics["train"]["num_tokens"] = [trainer._total_train_tokens]
 
 
-def _adapt_sft(trainer, model: nn.Module) -> None:
+def _adapt_sft(trainer, model: nn.Module, options: dict | None = None) -> None:
     """Training steps take the model's fused loss (when it has one); evaluation keeps TRL's path."""
     heads = [m for m in model.modules() if hasattr(m, LOSS_SPEC_ATTR)]
     if not heads:
@@ -199,6 +230,349 @@ def _adapt_sft(trainer, model: nn.Module) -> None:
     )
 
 
+# --- TRL's DPOTrainer ---------------------------------------------------------------------------
+
+# Training metrics TRL's DPOTrainer computes from full-vocabulary statistics the fused DPO loss never builds.
+DPO_LOGITS_METRICS = ("entropy", "mean_token_accuracy")
+# Batch keys DPOTrainer keeps out of the model's forward.
+_DPO_NON_MODEL_KEYS = frozenset({"completion_mask", "ref_chosen_logps", "ref_rejected_logps"})
+# Text-config attributes that scale or cap the logits (TRL's fused head applies them; the fused DPO loss does not).
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                     "logits_scaling")
+
+
+def _overrides_below(trainer, known: str, names: tuple[str, ...]) -> str | None:
+    """The first of `names` a subclass defines below TRL's class `known` (None: none is overridden)."""
+    for cls in type(trainer).__mro__:
+        if cls.__name__ == known and cls.__module__.split(".")[0] == "trl":
+            return None
+        for name in names:
+            if name in cls.__dict__:
+                return f"{cls.__name__}.{name}"
+    return None
+
+
+def _backbone(model: nn.Module):
+    """(the decoder that returns last_hidden_state, the LM head) of a causal LM, or None."""
+    base = getattr(model, "base_model", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(base, nn.Module) or base is model or head is None or not isinstance(
+        getattr(head, "weight", None), torch.Tensor
+    ):
+        return None
+    return base, head
+
+
+def _dpo_unsupported(trainer, model: nn.Module) -> str | None:
+    """Why this DPOTrainer's configuration is not the fused DPO loss (None: it is). The module docstring lists them."""
+    from fuseforge.ops.preference import DPO_LOSS_TYPES
+
+    args = trainer.args
+    loss_types = list(getattr(trainer, "loss_types", None) or [])
+    if len(loss_types) != 1 or loss_types[0] not in DPO_LOSS_TYPES:
+        return f"DPOConfig(loss_type={loss_types!r}): the fused DPO loss covers one loss type among {DPO_LOSS_TYPES}"
+    if getattr(trainer, "f_divergence_type", "reverse_kl") != "reverse_kl":
+        return f"DPOConfig(f_divergence_type={trainer.f_divergence_type!r}): the fused DPO loss is reverse-KL DPO"
+    if getattr(trainer, "ld_alpha", None) is not None:
+        return "DPOConfig(ld_alpha=...) weights the log-probs of the tokens past the shared length"
+    if getattr(trainer, "use_weighting", False):
+        return "DPOConfig(use_weighting=True): WPO weights need sum_v p_v^2 of every token"
+    ls = float(getattr(trainer, "label_smoothing", 0.0) or 0.0)
+    if loss_types[0] == "robust" and not 0.0 <= ls < 0.5:
+        return f"label_smoothing={ls} outside [0, 0.5) for the robust loss"
+    if getattr(args, "padding_free", False):
+        return "padding-free batches (DPOConfig(padding_free=True))"
+    if getattr(trainer, "_is_vision_dataset", False):
+        return "vision-language inputs"
+    reason = _common_unsupported(trainer, model, "DPOTrainer")
+    if reason is not None:
+        return reason
+    ref = getattr(trainer, "ref_model", None)
+    if not getattr(trainer, "precompute_ref_logps", False):
+        ref = _unwrap(trainer, ref)
+        if not isinstance(ref, nn.Module) or _backbone(ref) is None:
+            return "the reference log-probs come neither from precomputed log-probs nor a reference causal LM"
+        ref_config = ref.config.get_text_config() if hasattr(ref.config, "get_text_config") else ref.config
+        if any(getattr(ref_config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
+            return "the reference model scales or caps its logits"
+    return None
+
+
+def _common_unsupported(trainer, model: nn.Module, known: str) -> str | None:
+    """Settings no fused trainer loss covers (MoE router loss, Liger, parallelism, PEFT, logit scaling, overrides)."""
+    args = trainer.args
+    if getattr(trainer, "aux_loss_enabled", False):
+        return "the MoE router load-balancing loss is added by TRL's fused LM head"
+    if getattr(args, "use_liger_kernel", False):
+        return "Liger kernels (use_liger_kernel=True) replace the model's forward"
+    accelerator = getattr(trainer, "accelerator", None)
+    config = getattr(accelerator, "parallelism_config", None)
+    if config is not None and (getattr(config, "sp_enabled", False) or getattr(config, "cp_enabled", False)):
+        return "context / sequence parallelism shards the sequences before the loss"
+    if getattr(accelerator, "num_processes", 1) != 1 or getattr(trainer, "is_deepspeed_enabled", False) or getattr(
+        trainer, "is_fsdp_enabled", False
+    ):
+        return "distributed training (DDP / FSDP / DeepSpeed) wraps the model, whose backbone the fused loss calls"
+    if "peft" in sys.modules and any(type(m).__module__.startswith("peft.") for m in (model, trainer.model)):
+        return "a PEFT model (its reference is the model with the adapter disabled)"
+    text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    scaled = [name for name in _LOGIT_TRANSFORMS if getattr(text_config, name, None) not in (None, 1, 1.0)]
+    if scaled:
+        return f"the model scales or caps its logits ({', '.join(scaled)})"
+    overridden = _overrides_below(trainer, known, ("compute_loss", "_compute_loss"))
+    if overridden is not None:
+        return f"{overridden} is overridden and may compute the loss differently"
+    if _backbone(model) is None:
+        return f"{type(model).__name__} has no separate backbone (base_model) and LM head"
+    return None
+
+
+def _last_hidden(model: nn.Module, kwargs: dict) -> tuple[torch.Tensor, nn.Module]:
+    """(the backbone's last hidden states predicting tokens 1.. (shifted), on the head's device; the LM head)."""
+    base, head = _backbone(model)
+    hidden = base(**kwargs).last_hidden_state[:, :-1]
+    return hidden.to(head.weight.device), head
+
+
+def _no_checkpointing(trainer):
+    try:
+        from trl.models.utils import disable_gradient_checkpointing
+    except ImportError:  # pragma: no cover - TRL moved it
+        return contextlib.nullcontext()
+    return disable_gradient_checkpointing(trainer.model, trainer.args.gradient_checkpointing_kwargs)
+
+
+def _mean_logits(hidden: torch.Tensor, head: nn.Module) -> torch.Tensor:
+    """Mean over the vocabulary of each token's logits, hidden @ weight.mean(0) (+ bias.mean()), in float64."""
+    weight = head.weight.detach().double()
+    mean = hidden.detach().double() @ weight.mean(0)
+    if getattr(head, "bias", None) is not None:
+        mean = mean + head.bias.detach().double().mean()
+    return mean
+
+
+def _adapt_dpo(trainer, model: nn.Module, options: dict) -> str | None:
+    """Training steps compute TRL's DPO loss with fused_linear_dpo_loss (see the module docstring)."""
+    name = type(trainer).__name__
+    if not options.get(_FLCE, True):
+        return None  # fused losses turned off: TRL's loss, no warning
+    reason = _dpo_unsupported(trainer, model)
+    if reason is not None:
+        warnings.warn(
+            f"fuseforge: {name} keeps TRL's own DPO loss (no fused DPO loss): {reason}",
+            UserWarning,
+            stacklevel=4,
+        )
+        return f"fused_linear_dpo_loss: off for {name}: {reason}"
+    original = trainer.compute_loss
+    chunk_size = options.get("loss_chunk_size")
+    loss_type = trainer.loss_types[0]
+    loss_weight = float(trainer.loss_weights[0])
+    # TRL applies label_smoothing to the robust loss only.
+    label_smoothing = float(trainer.label_smoothing or 0.0) if loss_type == "robust" else 0.0
+
+    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        """DPOTrainer._compute_loss's training step with fused_linear_dpo_loss in place of TRL's fused LM head."""
+        if return_outputs or not trainer.model.training:
+            return original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        mode = "train"
+        accelerator = trainer.accelerator
+        model_kwargs = {k: v for k, v in inputs.items() if k not in _DPO_NON_MODEL_KEYS}
+        model_kwargs["use_cache"] = False
+        completion_mask = inputs["completion_mask"]
+        labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
+        hidden, head = _last_hidden(_unwrap(trainer, model), model_kwargs)
+        target = labels[:, 1:].to(hidden.device)
+        if trainer.precompute_ref_logps:
+            ref = {"ref_logps": torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).to(hidden.device)}
+        else:
+            with torch.no_grad(), _no_checkpointing(trainer):
+                ref_hidden, ref_head = _last_hidden(_unwrap(trainer, trainer.ref_model), model_kwargs)
+            ref = {"ref_hidden": ref_hidden.to(hidden.device), "ref_weight": ref_head.weight, "ref_bias": ref_head.bias}
+        out = fused_linear_dpo_loss(
+            hidden, head.weight, target, head.bias, **ref, beta=trainer.beta, loss_type=loss_type,
+            label_smoothing=label_smoothing, chunk_size=chunk_size,
+        )
+        loss = out.loss * loss_weight
+
+        metrics = trainer._metrics[mode]
+        num_tokens = accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
+        trainer._total_train_tokens += num_tokens // getattr(trainer, "_tp_size", 1)
+        metrics["num_tokens"] = [trainer._total_train_tokens]
+        mask = completion_mask[..., 1:].to(hidden.device).bool()
+        mean_logits = _mean_logits(hidden, head)
+        n_pairs = mask.shape[0] // 2
+        for key, rows in (("logits/chosen", slice(0, n_pairs)), ("logits/rejected", slice(n_pairs, None))):
+            total = accelerator.gather_for_metrics(mean_logits[rows][mask[rows]].sum()).sum().item()
+            count = accelerator.gather_for_metrics(mask[rows].sum()).sum().item()
+            metrics[key].append(total / count if count > 0 else 0.0)
+        metrics["rewards/chosen"].append(accelerator.gather(out.chosen_rewards).mean().item())
+        metrics["rewards/rejected"].append(accelerator.gather(out.rejected_rewards).mean().item())
+        metrics["rewards/accuracies"].append(accelerator.gather(out.accuracies).mean().item())
+        metrics["rewards/margins"].append(accelerator.gather(out.margins).mean().item())
+        metrics["logps/chosen"].append(accelerator.gather(out.chosen_logps).mean().item())
+        metrics["logps/rejected"].append(accelerator.gather(out.rejected_logps).mean().item())
+        return loss
+
+    compute_loss._fuseforge_wrapped = original
+    trainer.compute_loss = compute_loss
+    warnings.warn(
+        f"fuseforge: {name}'s training loss runs through fuseforge's fused DPO loss; its training metrics "
+        f"{' and '.join(DPO_LOGITS_METRICS)} are not logged: they need every logit, which the fused loss never "
+        "builds (evaluation still logs them). apply_kernels(trainer, fused_linear_cross_entropy=False) keeps them, "
+        "with TRL's own loss.",
+        UserWarning,
+        stacklevel=4,
+    )
+    return f"trainer: {name}'s training loss is fused_linear_dpo_loss (loss_type={loss_type!r})"
+
+
+# --- TRL's GRPOTrainer --------------------------------------------------------------------------
+
+# Training metric TRL's GRPOTrainer computes from full-vocabulary statistics the fused GRPO loss never builds.
+GRPO_LOGITS_METRICS = ("entropy",)
+
+
+def _grpo_unsupported(trainer, model: nn.Module) -> str | None:
+    """Why this GRPOTrainer's configuration is not the fused GRPO loss (None: it is)."""
+    from fuseforge.ops.grpo import GRPO_LOSS_TYPES
+
+    args = trainer.args
+    if trainer.loss_type not in GRPO_LOSS_TYPES:
+        return f"GRPOConfig(loss_type={trainer.loss_type!r}): the fused GRPO loss covers {GRPO_LOSS_TYPES}"
+    if getattr(trainer, "off_policy_mask_threshold", None) is not None:
+        return "GRPOConfig(off_policy_mask_threshold=...) masks sequences by their sampling KL"
+    if getattr(trainer, "top_entropy_quantile", 1.0) < 1.0:
+        return "GRPOConfig(top_entropy_quantile<1) masks tokens by their entropy, which needs every logit"
+    if getattr(trainer, "_entropy_bonus_enabled", False):
+        return "the entropy bonus needs every logit"
+    if getattr(trainer, "use_vllm", False):
+        return "vLLM generation (importance-sampling correction against the sampler's log-probs)"
+    if getattr(trainer, "_is_vlm", False):
+        return "vision-language inputs"
+    if getattr(args, "cast_lm_head_to_fp32", False):
+        return "GRPOConfig(cast_lm_head_to_fp32=True)"
+    if getattr(trainer, "beta", 0.0) != 0.0 and getattr(trainer, "ref_model", None) is None:
+        return "the reference log-probs come from the model with its adapter disabled (PEFT)"
+    return _common_unsupported(trainer, model, "GRPOTrainer")
+
+
+def _adapt_grpo(trainer, model: nn.Module, options: dict) -> str | None:
+    """Training steps compute TRL's GRPO loss with fused_linear_grpo_loss (see the module docstring)."""
+    name = type(trainer).__name__
+    if not options.get(_FLCE, True):
+        return None
+    reason = _grpo_unsupported(trainer, model)
+    if reason is not None:
+        warnings.warn(
+            f"fuseforge: {name} keeps TRL's own GRPO loss (no fused GRPO loss): {reason}", UserWarning, stacklevel=4
+        )
+        return f"fused_linear_grpo_loss: off for {name}: {reason}"
+    original = trainer.compute_loss
+    chunk_size = options.get("loss_chunk_size")
+    args = trainer.args
+    tool_warned = []
+
+    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        """GRPOTrainer._compute_loss's training step with fused_linear_grpo_loss in place of TRL's fused LM head."""
+        if return_outputs or not trainer.model.training:
+            return original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        if "tool_mask" in inputs:  # known only per batch
+            if not tool_warned:
+                tool_warned.append(True)
+                warnings.warn(f"fuseforge: {name} keeps TRL's own GRPO loss for batches with a tool_mask",
+                              UserWarning, stacklevel=2)
+            return original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        from trl.trainer.utils import nanmax, nanmin
+
+        mode = "train"
+        accelerator = trainer.accelerator
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        n_keep = completion_ids.size(1)
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+        for key in ("token_type_ids", "mm_token_type_ids"):
+            if inputs.get(key) is not None:
+                kwargs[key] = inputs[key]
+        with accelerator.autocast():
+            hidden, head = _last_hidden(_unwrap(trainer, model), kwargs)
+        hidden = hidden[:, -n_keep:]
+        target = input_ids.masked_fill(attention_mask == 0, -100)[:, 1:][:, -n_keep:].to(hidden.device)
+        mask = completion_mask.to(hidden.device)
+        advantages = inputs["advantages"]
+        old = inputs.get("old_per_token_logps")
+        loss_type = trainer.loss_type
+        extra = {}
+        if trainer.beta != 0.0:
+            extra["ref_logps"] = inputs["ref_per_token_logps"]
+        if loss_type == "dapo":
+            items = inputs["num_items_in_batch"].clamp(min=1.0) / accelerator.num_processes
+            steps = trainer.current_gradient_accumulation_steps
+            extra["num_items_in_batch"] = items * steps / args.steps_per_generation
+        with accelerator.autocast():
+            out = fused_linear_grpo_loss(
+                hidden, head.weight, target, advantages, head.bias, old_logps=old, loss_type=loss_type,
+                beta=trainer.beta, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
+                delta=args.delta, importance_sampling_level=trainer.importance_sampling_level,
+                use_bias_correction_kl=args.use_bias_correction_kl,
+                max_completion_length=trainer.max_completion_length, temperature=trainer.temperature,
+                chunk_size=chunk_size, **extra,
+            )
+        loss = out.loss
+        if loss_type != "dapo":
+            loss = loss / trainer.current_gradient_accumulation_steps
+
+        metrics = trainer._metrics[mode]
+        m = mask.to(torch.float32)
+
+        def global_mean(local):  # TRL's global_masked_mean of a per-batch mean over `mask`
+            totals = accelerator.reduce(torch.stack([local * m.sum(), m.sum()]), reduction="sum")
+            return (totals[0] / totals[1].clamp(min=1.0)).item()
+
+        if out.kl is not None:
+            metrics["kl"].append(global_mean(out.kl))
+        # Per-sequence clip fractions (TRL's clip_ratio/low_min and high_max) from the detached log-probs.
+        logps = out.per_token_logps
+        old_lp = logps if old is None else old.to(logps)
+        log_ratio = logps - old_lp
+        if trainer.importance_sampling_level == "sequence":
+            log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        ratio = torch.exp(log_ratio)
+        adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        low = ((ratio < 1 - trainer.epsilon_low) & (adv < 0)).float()
+        high = ((ratio > 1 + trainer.epsilon_high) & (adv > 0)).float()
+
+        def seq_mean(x):
+            return x.squeeze(1) if x.shape[1] == 1 else (x * m).sum(-1) / m.sum(-1)
+
+        if trainer.importance_sampling_level == "sequence":
+            for key, value in (("low_mean", out.clip_ratio_low), ("high_mean", out.clip_ratio_high),
+                               ("region_mean", out.clip_ratio_region)):
+                totals = accelerator.reduce(torch.stack([value * low.shape[0], torch.tensor(float(low.shape[0]),
+                                                         device=value.device)]), reduction="sum")
+                metrics[f"clip_ratio/{key}"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        else:
+            metrics["clip_ratio/low_mean"].append(global_mean(out.clip_ratio_low))
+            metrics["clip_ratio/high_mean"].append(global_mean(out.clip_ratio_high))
+            metrics["clip_ratio/region_mean"].append(global_mean(out.clip_ratio_region))
+        metrics["clip_ratio/low_min"].append(nanmin(accelerator.gather(seq_mean(low))).item())
+        metrics["clip_ratio/high_max"].append(nanmax(accelerator.gather(seq_mean(high))).item())
+        return loss
+
+    compute_loss._fuseforge_wrapped = original
+    trainer.compute_loss = compute_loss
+    warnings.warn(
+        f"fuseforge: {name}'s training loss runs through fuseforge's fused GRPO loss; its training metric "
+        f"{' and '.join(GRPO_LOGITS_METRICS)} is not logged: it needs every logit, which the fused loss never "
+        "builds (evaluation still logs it). apply_kernels(trainer, fused_linear_cross_entropy=False) keeps it, "
+        "with TRL's own loss.",
+        UserWarning,
+        stacklevel=4,
+    )
+    return f"trainer: {name}'s training loss is fused_linear_grpo_loss (loss_type={trainer.loss_type!r})"
+
+
 # --- the table ----------------------------------------------------------------------------------
 
 # Trainer class name -> policy, matched along the trainer's MRO among classes of transformers and trl.
@@ -206,9 +580,13 @@ def _adapt_sft(trainer, model: nn.Module) -> None:
 TRAINER_POLICIES: dict[str, TrainerPolicy] = {
     "Trainer": TrainerPolicy(uses_model_loss=True),
     "SFTTrainer": TrainerPolicy(uses_model_loss=True, check=_sft_unsupported, adapt=_adapt_sft),
-    "DPOTrainer": _own_loss("DPOTrainer", "preference loss from per-token log-probabilities"),
+    "DPOTrainer": dataclasses.replace(
+        _own_loss("DPOTrainer", "preference loss from per-token log-probabilities"), adapt=_adapt_dpo
+    ),
     "KTOTrainer": _own_loss("KTOTrainer", "preference loss from per-token log-probabilities"),
-    "GRPOTrainer": _own_loss("GRPOTrainer", "policy loss from per-token log-probabilities"),
+    "GRPOTrainer": dataclasses.replace(
+        _own_loss("GRPOTrainer", "policy loss from per-token log-probabilities"), adapt=_adapt_grpo
+    ),
     "RLOOTrainer": _own_loss("RLOOTrainer", "policy loss from per-token log-probabilities"),
     "GKDTrainer": _own_loss("GKDTrainer", "divergence between student and teacher logits"),
     "DistillationTrainer": _own_loss("DistillationTrainer", "divergence between student and teacher"),
@@ -326,9 +704,10 @@ def apply_kernels_to_trainer(trainer, options: dict) -> PatchReport:
         report, theirs = _patch_next_to_trl_head(model, options)
     else:
         report, theirs = apply_kernels(model, **_without_fused_loss(options)), {}
+    adapt_note = None
     if policy.adapt is not None:
         try:
-            policy.adapt(trainer, model)
+            adapt_note = policy.adapt(trainer, model, options)
         except BaseException:
             _put_back(model, theirs)
             raise
@@ -337,6 +716,8 @@ def apply_kernels_to_trainer(trainer, options: dict) -> PatchReport:
     report.notes.append(f"trainer: the {known.__module__}.{known.__name__} policy (TRAINER_POLICIES)")
     if reason is not None and options[_FLCE]:
         _say_why(name, reason, report, warn)
+    if adapt_note:
+        report.notes.append(adapt_note)
 
     trainer_state = _TrainerState(options=dict(options), report=report, models=[model])
     wrapper = trainer.__dict__.get("compute_loss")
@@ -373,6 +754,8 @@ def unpatch_trainer(trainer) -> bool:
 
 
 __all__ = [
+    "DPO_LOGITS_METRICS",
+    "GRPO_LOGITS_METRICS",
     "SFT_LOGITS_METRICS",
     "TRAINER_POLICIES",
     "TrainerPolicy",
