@@ -24,6 +24,8 @@ transformers = pytest.importorskip("transformers")
 from test_transformers_tiny_models import (  # noqa: E402
     DEVICE,
     FAMILIES,
+    MOE_FAMILIES,
+    ROPE_LAYERS,
     patched_copy,
     single_thread,  # noqa: F401 - autouse fixture
     synthetic_batches,
@@ -99,10 +101,13 @@ def kernel_calls(monkeypatch):
     return calls
 
 
+def _experts(family: str) -> dict:
+    return {"experts_implementation": "eager"} if family in MOE_FAMILIES else {}
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_matches_unpatched(family, kernel_calls):
-    experts = {"experts_implementation": "eager"} if family == "mixtral" else {}
-    ref = tiny_model(family, **experts).train()
+    ref = tiny_model(family, **_experts(family)).train()
     fused = _patched(ref).train()
     report = get_patch_report(fused)
     # eps=1e-6: with the default 1e-8, parameters whose gradient is ~0 (noise) take lr-sized
@@ -114,21 +119,23 @@ def test_training_matches_unpatched(family, kernel_calls):
         out_ref = ref(**batch)
         out_fused = fused(**batch)
         assert out_fused.logits is None  # training with labels: logits never materialised
-        if family == "mixtral":
+        if family in MOE_FAMILIES:  # the aux loss is reported, and part of the loss (checked below)
+            assert out_ref.aux_loss is not None and out_ref.aux_loss.item() > 0
             assert_close(out_fused.aux_loss, out_ref.aux_loss, FP32, msg=_labelled("router aux loss"))
         out_ref.loss.backward()
         out_fused.loss.backward()
         if step == 0:
             _assert_grads_close(fused, ref, what=f"{family} step 0: ")
             layers = ref.config.num_hidden_layers
-            assert kernel_calls == {
+            expected = {
                 "rms_norm": sum(report.patched["rms_norm"].values()),
-                "rope": layers,
-                # Mixtral: one fused gate per expert that received tokens (2 of 4 per token).
-                "glu": kernel_calls["glu"] if family == "mixtral" else layers,
+                "rope": ROPE_LAYERS.get(family, layers),
+                # MoE: one fused gate per expert that received tokens (2 of 4 per token).
+                "glu": kernel_calls.get("glu") if family in MOE_FAMILIES else layers,
                 "fused_linear_cross_entropy": 1,
             }
-            if family == "mixtral":  # top-2 routing: at least two experts per layer
+            assert kernel_calls == {k: n for k, n in expected.items() if n}
+            if family in MOE_FAMILIES:  # top-2 routing: at least two experts per layer
                 assert kernel_calls["glu"] >= 2 * layers
         for opt in (opt_ref, opt_fused):
             opt.step()
@@ -174,8 +181,9 @@ def test_mixtral_grouped_mm_experts_match():
     _assert_grads_close(fused, ref)
 
 
-def test_gradient_accumulation_with_num_items_matches_one_big_batch():
-    ref = tiny_model("llama").train()
+@pytest.mark.parametrize("family", ["llama", *FAMILIES[FAMILIES.index("qwen3_moe") :]])
+def test_gradient_accumulation_with_num_items_matches_one_big_batch(family):
+    ref = tiny_model(family, **_experts(family)).train()
     fused = _patched(ref).train()
     big = synthetic_batches(1, batch_size=4)[0]
     big["input_ids"][1, -5:] = 0  # a second padded row with a different amount of padding
@@ -188,9 +196,20 @@ def test_gradient_accumulation_with_num_items_matches_one_big_batch():
         loss = fused(**micro, num_items_in_batch=num_items).loss
         loss.backward()
         total += loss.detach()
-    out_ref = ref(**big)
-    out_ref.loss.backward()
-    assert_close(total, out_ref.loss.detach(), FP32)
+    if family in MOE_FAMILIES:
+        # The router aux loss is per forward (not a per-token sum), so the reference is the
+        # unpatched model on the same micro-batches, each with its aux loss.
+        expected = torch.zeros((), device=DEVICE)
+        for row in range(4):
+            out_ref = ref(**{k: v[row : row + 1] for k, v in big.items()}, num_items_in_batch=num_items)
+            assert out_ref.aux_loss is not None
+            out_ref.loss.backward()
+            expected += out_ref.loss.detach()
+    else:
+        out_ref = ref(**big)
+        out_ref.loss.backward()
+        expected = out_ref.loss.detach()
+    assert_close(total, expected, FP32)
     _assert_grads_close(fused, ref, what="accumulated: ")
 
 

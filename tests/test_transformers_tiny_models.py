@@ -17,6 +17,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fuseforge.transformers import SUPPORTED_MODEL_TYPES, apply_kernels, unpatch  # noqa: E402
+from fuseforge.transformers.families import FAMILIES as FAMILY_TABLE  # noqa: E402
+from fuseforge.transformers.families import fused_table  # noqa: E402
 
 # Where models and batches live: the GPU when there is one (kernels compiled), else the CPU
 # (kernels interpreted; conftest sets TRITON_INTERPRET=1 under the same condition).
@@ -58,8 +60,41 @@ FAMILY_CONFIGS = {
         layer_types=["sliding_attention", "full_attention"],
     ),
     "phi3": dict(model_type="phi3", partial_rotary_factor=0.5),  # RoPE on half of each head
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        output_router_logits=True,  # the router aux loss must be added to the fused loss
+        router_aux_loss_coef=0.05,
+    ),
+    "gemma": dict(model_type="gemma", head_dim=16),
+    # Every multiplier away from 1, so that dropping any of them changes the loss by far more than the tolerance.
+    "granite": dict(
+        model_type="granite",
+        embedding_multiplier=3.0,
+        residual_multiplier=0.5,
+        attention_multiplier=0.2,
+        logits_scaling=4.0,
+    ),
+    "smollm3": dict(model_type="smollm3", no_rope_layer_interval=2),  # layer 1 is a NoPE layer
+    "olmo2": dict(model_type="olmo2"),
+    "olmo3": dict(model_type="olmo3", sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "glm4": dict(model_type="glm4", head_dim=16),
+    # RoPE only on sliding layers when a sliding window is set
+    "exaone4": dict(model_type="exaone4", sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
 }
 FAMILIES = tuple(FAMILY_CONFIGS)
+MOE_FAMILIES = ("mixtral", "qwen3_moe")  # router aux loss in the loss; experts run eager in the tests
+# Norms per decoder layer (the model adds one final norm): input/post-attention, plus q/k norms
+# and Gemma's / OLMo's / GLM-4's / EXAONE's extra pre/post norms.
+NORMS_PER_LAYER = {
+    **dict.fromkeys(("gemma2", "qwen3", "qwen3_moe", "olmo2", "olmo3", "glm4", "exaone4"), 4),
+    "gemma3": 6,
+}
+# Layers whose attention applies RoPE (NoPE layers keep the patched attention but never call it).
+ROPE_LAYERS = {"smollm3": 1, "exaone4": 1, "glm4": 0}
 
 
 def tiny_config(family: str, **overrides):
@@ -130,15 +165,19 @@ def test_every_module_of_a_supported_family_is_recognised(family):
         warnings.simplefilter("error")  # a supported family must patch without any warning
         report = apply_kernels(model)
     assert report.supported and report.family == family
-    assert report.skipped == {}
+    unfused = dict(FAMILY_TABLE[family].unfused)  # what the kernels cannot do for this family
+    assert report.skipped == {kernel: [reason] for kernel, reason in unfused.items()}
     layers = model.config.num_hidden_layers
-    # input/post-attention norms per layer + final norm (+ Gemma's pre/post feed-forward, Qwen3/Gemma3 q/k norms)
-    norms_per_layer = {"gemma2": 4, "gemma3": 6, "qwen3": 4}.get(family, 2)
-    assert sum(report.patched["rms_norm"].values()) == norms_per_layer * layers + 1
-    assert sum(report.patched["rope"].values()) == layers
+    assert sum(report.patched["rms_norm"].values()) == NORMS_PER_LAYER.get(family, 2) * layers + 1
+    if "rope" in unfused:
+        assert "rope" not in report.patched
+        assert f"rope: NOT patched: {unfused['rope']}" in report.summary()
+    else:
+        assert sum(report.patched["rope"].values()) == layers
     assert sum(report.patched["swiglu"].values()) == layers
-    assert sum(report.patched["fused_linear_cross_entropy"].values()) == 1
-    expected_glu = {"gemma2": "geglu tanh", "gemma3": "geglu tanh", "mixtral": "experts"}.get(family, "swiglu")
+    assert report.patched["fused_linear_cross_entropy"] == {f"{type(model).__name__} (lm_head)": 1}
+    expected_glu = {"gemma": "geglu tanh", "gemma2": "geglu tanh", "gemma3": "geglu tanh"}.get(family, "swiglu")
+    expected_glu = "experts" if family in MOE_FAMILIES else expected_glu
     assert all(expected_glu in label for label in report.patched["swiglu"])
     assert "cross_entropy" not in report.patched  # off by default
     assert type(model.lm_head).__name__ == "FusedLinear"
@@ -148,6 +187,15 @@ def test_every_module_of_a_supported_family_is_recognised(family):
 def test_supported_model_types_cover_every_family():
     types_ = {tiny_config(f).model_type for f in FAMILIES}
     assert types_ <= set(SUPPORTED_MODEL_TYPES)
+    assert set(FAMILIES) == set(FAMILY_TABLE)  # every supported family has a tiny model in these tests
+
+
+def test_readme_table_of_supported_models_is_the_family_table():
+    """The README's table is families.fused_table() verbatim: one source of truth."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert fused_table() in readme, "README's supported-models table is stale: paste families.fused_table()"
 
 
 def test_synthetic_batches_are_learnable_and_masked():

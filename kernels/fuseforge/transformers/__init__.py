@@ -6,6 +6,11 @@
 
 A trainer gets its model patched and is adapted to the fused loss, or the fused loss is
 turned off where the trainer computes its loss itself (see trainers.TRAINER_POLICIES).
+TRL's DPOTrainer (loss types sigmoid, hinge, ipo, robust) and GRPOTrainer (grpo, dr_grpo,
+dapo, bnpo) train on fuseforge's fused DPO / GRPO losses from the hidden states and the LM
+head weight, never building [tokens, vocab] logits: same loss, gradients and metrics, except
+the full-vocabulary ones (`entropy`, DPO's `mean_token_accuracy`; one warning); a
+configuration they do not cover keeps TRL's loss, with one warning naming why.
 
 Supported end to end (norms, RoPE, gated MLP, fused loss): see SUPPORTED_MODEL_TYPES.
 Other models get the modules whose code is recognised and a warning for the rest.
@@ -40,6 +45,14 @@ apply_kernels_to_qwen3 = FAMILY_FUNCTIONS["apply_kernels_to_qwen3"]
 apply_kernels_to_gemma2 = FAMILY_FUNCTIONS["apply_kernels_to_gemma2"]
 apply_kernels_to_gemma3 = FAMILY_FUNCTIONS["apply_kernels_to_gemma3"]
 apply_kernels_to_phi3 = FAMILY_FUNCTIONS["apply_kernels_to_phi3"]
+apply_kernels_to_qwen3_moe = FAMILY_FUNCTIONS["apply_kernels_to_qwen3_moe"]
+apply_kernels_to_gemma = FAMILY_FUNCTIONS["apply_kernels_to_gemma"]
+apply_kernels_to_granite = FAMILY_FUNCTIONS["apply_kernels_to_granite"]
+apply_kernels_to_smollm3 = FAMILY_FUNCTIONS["apply_kernels_to_smollm3"]
+apply_kernels_to_olmo2 = FAMILY_FUNCTIONS["apply_kernels_to_olmo2"]
+apply_kernels_to_olmo3 = FAMILY_FUNCTIONS["apply_kernels_to_olmo3"]
+apply_kernels_to_glm4 = FAMILY_FUNCTIONS["apply_kernels_to_glm4"]
+apply_kernels_to_exaone4 = FAMILY_FUNCTIONS["apply_kernels_to_exaone4"]
 
 __all__ = [
     "DEFAULT_FLAGS",
@@ -51,14 +64,22 @@ __all__ = [
     "AutoFusedModelForCausalLM",
     "PatchReport",
     "apply_kernels",
+    "apply_kernels_to_exaone4",
+    "apply_kernels_to_gemma",
     "apply_kernels_to_gemma2",
     "apply_kernels_to_gemma3",
+    "apply_kernels_to_glm4",
+    "apply_kernels_to_granite",
     "apply_kernels_to_llama",
     "apply_kernels_to_mistral",
     "apply_kernels_to_mixtral",
+    "apply_kernels_to_olmo2",
+    "apply_kernels_to_olmo3",
     "apply_kernels_to_phi3",
     "apply_kernels_to_qwen2",
     "apply_kernels_to_qwen3",
+    "apply_kernels_to_qwen3_moe",
+    "apply_kernels_to_smollm3",
     "causal_lm_loss",
     "get_patch_report",
     "is_patched",

@@ -10,6 +10,8 @@ Kernel semantics matched here (all checked against the transformers versions
 listed in `fuseforge.transformers.TESTED_TRANSFORMERS`):
 - Llama-style RMSNorm: fp32 normalisation, cast to the input dtype, then `* weight`.
 - Gemma-style RMSNorm: everything in fp32 with `(1 + weight)`, one cast at the end.
+- OLMo-style RMSNorm (OLMo 2/3): fp32 normalisation, `weight * x` in fp32, one cast at the
+  end: the kernel's Gemma casting with offset 0.
 - `down(act(gate(x)) * up(x))` and Phi-3's `gate_up_proj` split, act = SiLU or GELU.
 - MoE experts with concatenated `[gate; up]` expert weights (Mixtral and ~50 others).
 """
@@ -30,6 +32,7 @@ from fuseforge.transformers._fingerprint import matches
 LLAMA_RMS_NORM_FORWARD = frozenset({"607a0bc599d3"})
 GEMMA_RMS_NORM_FORWARD = frozenset({"b2efe7f0a208"})
 GEMMA_RMS_NORM_NORM = frozenset({"fd8d7a06072d"})
+OLMO_RMS_NORM_FORWARD = frozenset({"a46c8ec460cb"})  # (self.weight * hidden_states).to(input_dtype); verified on 5.24
 SPLIT_GATED_MLP_FORWARD = frozenset({"7e0c35e5ee8b"})  # down_proj(act_fn(gate_proj(x)) * up_proj(x))
 FUSED_GATE_UP_MLP_FORWARD = frozenset({"02e678880f6a"})  # Phi-3: gate_up_proj, chunk, activation_fn
 EXPERTS_APPLY_GATE = frozenset({"b42fe38ed914"})  # transformers.integrations.moe._default_apply_gate
@@ -85,6 +88,11 @@ class LlamaRMSNormMixin:
 class GemmaRMSNormMixin:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, offset=1.0, casting="gemma")
+
+
+class OlmoRMSNormMixin:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon, offset=0.0, casting="gemma")
 
 
 class LayerNormMixin:
@@ -170,6 +178,9 @@ def _plan_rms_norm(module: nn.Module, cls: type, name: str) -> Plan:
     if matches(cls.forward, LLAMA_RMS_NORM_FORWARD) and _float_attr(module, "variance_epsilon"):
         if _has_vector_weight(module):
             return Plan("rms_norm", name, LlamaRMSNormMixin)
+    if matches(cls.forward, OLMO_RMS_NORM_FORWARD) and _float_attr(module, "variance_epsilon"):
+        if _has_vector_weight(module):
+            return Plan("rms_norm", name, OlmoRMSNormMixin)
     if (
         matches(cls.forward, GEMMA_RMS_NORM_FORWARD)
         and matches(getattr(cls, "_norm", None), GEMMA_RMS_NORM_NORM)
@@ -177,7 +188,7 @@ def _plan_rms_norm(module: nn.Module, cls: type, name: str) -> Plan:
         and _has_vector_weight(module)
     ):
         return Plan("rms_norm", name, GemmaRMSNormMixin)
-    return Plan("rms_norm", name, reason=f"{name}: implementation not recognised as Llama or Gemma RMSNorm")
+    return Plan("rms_norm", name, reason=f"{name}: implementation not recognised as Llama, Gemma or OLMo RMSNorm")
 
 
 def _plan_layer_norm(module: nn.Module, cls: type, name: str) -> Plan:

@@ -12,8 +12,10 @@ forwards in other threads are not affected.
 The loss equals transformers' `ForCausalLMLoss`: labels shifted left by one and padded
 with `ignore_index` (or `shift_labels` as given), mean over non-ignored tokens, or
 sum / `num_items_in_batch` when the Trainer passes it for gradient accumulation;
-Gemma's final-logit softcapping is applied inside the kernel; Mixtral's router
-auxiliary loss is added as its forward does. The returned output has `logits=None`.
+Gemma's final-logit softcapping is applied inside the kernel; Granite's division of
+the logits by `logits_scaling` is applied to the hidden states (and bias) before the
+kernel, (h / s) W^T + b / s = (h W^T + b) / s; the router auxiliary loss of Mixtral and
+Qwen3-MoE is added as their forwards do. The returned output has `logits=None`.
 
 The forward falls back to logits (with a warning) when the fused loss cannot stand in:
 a custom `loss_function`, an `lm_head` replaced after patching, or DeepSpeed ZeRO-3
@@ -46,6 +48,7 @@ class LossSpec:
     logit_softcap_attr: str | None = None
     router_aux_loss: bool = False
     chunk_size: int | None = None
+    logit_scale_attr: str | None = None
 
 
 @dataclass
@@ -57,6 +60,7 @@ class _LossRequest:
     num_items_in_batch: torch.Tensor | int | None
     softcap: float | None
     chunk_size: int | None
+    logit_divisor: float | None = None  # logits = lm_head(hidden) / logit_divisor
     loss: torch.Tensor | None = None
 
 
@@ -88,12 +92,17 @@ def _loss_from_hidden(hidden: torch.Tensor, head: nn.Linear, request: _LossReque
             f"kept {rows.shape[0]} positions for the head (logits_to_keep): pass labels for the kept "
             "positions only, or logits_to_keep=0"
         )
+    bias = head.bias
+    if request.logit_divisor is not None and request.logit_divisor != 1:
+        # logits / s, without the logits: (h / s) W^T + b / s. Gradients flow through the division.
+        rows = rows / request.logit_divisor
+        bias = None if bias is None else bias / request.logit_divisor
     # Under torch.autocast the op casts to the autocast dtype itself, as nn.Linear would.
     return fused_linear_cross_entropy(
         rows,
         head.weight,
         targets,
-        bias=head.bias,
+        bias=bias,
         ignore_index=request.ignore_index,
         softcap=request.softcap,
         num_items_in_batch=request.num_items_in_batch,
@@ -185,6 +194,7 @@ def _fused_forward(self, original, args: tuple, kwargs: dict):
     else:
         kwargs["labels"] = None
     softcap = getattr(self.config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
+    divisor = getattr(self.config, spec.logit_scale_attr, None) if spec.logit_scale_attr else None
     request = _LossRequest(
         head=self.lm_head,
         labels=labels,
@@ -193,6 +203,7 @@ def _fused_forward(self, original, args: tuple, kwargs: dict):
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         softcap=softcap,
         chunk_size=spec.chunk_size,
+        logit_divisor=divisor,
     )
     token = _PENDING.set(request)
     try:

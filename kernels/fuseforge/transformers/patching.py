@@ -124,8 +124,13 @@ def _patch_leaves(model: nn.Module, options: dict, state: _State) -> None:
         report.add_patched(decision.kernel, decision.label)
 
 
-def _patch_rope(model: nn.Module, state: _State) -> None:
+def _patch_rope(model: nn.Module, family: Family | None, state: _State) -> None:
     report = state.report
+    limit = family.unfused_reason("rope") if family else None
+    if limit is not None:
+        if any(True for _ in rope_patch.attention_candidates(model)):
+            report.add_known_limit("rope", limit)
+        return
     for attention, module_name in list(rope_patch.attention_candidates(model)):
         reason = rope_patch.check_module(module_name)
         if reason is not None or "forward" in attention.__dict__:
@@ -184,7 +189,12 @@ def _patch_losses(model: nn.Module, family: Family | None, options: dict, state:
             if "forward" in lm.__dict__:
                 report.add_skipped("fused_linear_cross_entropy", f"{name}: forward overridden on the instance")
                 continue
-            spec = LossSpec(family.logit_softcap_attr, family.router_aux_loss, options["loss_chunk_size"])
+            spec = LossSpec(
+                family.logit_softcap_attr,
+                family.router_aux_loss,
+                options["loss_chunk_size"],
+                family.logit_scale_attr,
+            )
             setattr(lm, LOSS_SPEC_ATTR, spec)
             lm.forward = types.MethodType(fused_forward_for(type(lm)), lm)
             swap(head, FusedLossHeadMixin)
@@ -201,7 +211,7 @@ def _patch_instance(model: nn.Module, options: dict) -> PatchReport:
     try:
         _patch_leaves(model, options, state)
         if options["rope"]:
-            _patch_rope(model, state)
+            _patch_rope(model, family, state)
         _patch_losses(model, family, options, state)
     except BaseException:
         _undo(state)

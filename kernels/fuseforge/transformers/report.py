@@ -15,7 +15,9 @@ class PatchReport:
 
     `patched[kernel]` counts replaced modules by their original class name (for the
     losses: the causal-LM class whose loss now goes through the kernel); `skipped[kernel]`
-    gives one reason per thing that looked like a target but was left unfused.
+    gives one reason per thing that looked like a target but was left unfused. Reasons in
+    `known_limits` are what the family table (families.Family.unfused) declares the kernels
+    cannot do for this family: reported, but no cause for a warning.
     A requested kernel with neither entry had nothing to act on in this model.
     """
 
@@ -27,6 +29,7 @@ class PatchReport:
     patched: dict[str, Counter] = field(default_factory=dict)
     skipped: dict[str, list[str]] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    known_limits: list[str] = field(default_factory=list)
 
     @property
     def supported(self) -> bool:
@@ -41,11 +44,18 @@ class PatchReport:
         if reason not in reasons:
             reasons.append(reason)
 
+    def add_known_limit(self, kernel: str, reason: str) -> None:
+        self.add_skipped(kernel, reason)
+        if reason not in self.known_limits:
+            self.known_limits.append(reason)
+
     def patched_kernels(self) -> list[str]:
         return [k for k in KERNEL_FLAGS if self.patched.get(k)]
 
     def needs_warning(self) -> bool:
-        return not self.supported or bool(self.skipped)
+        return not self.supported or any(
+            reason not in self.known_limits for reasons in self.skipped.values() for reason in reasons
+        )
 
     def summary(self) -> str:
         kind = f"model type {self.model_type!r}" if self.model_type else "model of unknown type"
@@ -59,7 +69,8 @@ class PatchReport:
                 parts = ", ".join(f"{n} x {name}" for name, n in sorted(done.items()))
                 lines.append(f"  {kernel}: patched ({parts})")
             for reason in self.skipped.get(kernel, []):
-                lines.append(f"  {kernel}: NOT patched: {reason}")
+                known = " (a known limitation for this family)" if reason in self.known_limits else ""
+                lines.append(f"  {kernel}: NOT patched: {reason}{known}")
             if not done and not self.skipped.get(kernel):
                 lines.append(f"  {kernel}: nothing to patch")
             if kernel == "fused_linear_cross_entropy" and self.loss_chunk_size is not None:

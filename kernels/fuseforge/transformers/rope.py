@@ -33,8 +33,10 @@ from fuseforge.functional import rope
 from fuseforge.transformers._fingerprint import matches
 
 # Verified `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)` bodies (rotate-half convention):
-# the full-rotary one (Llama and ~120 other models) and Phi-3's partial-rotary one.
-APPLY_ROTARY_POS_EMB = frozenset({"3e306efef1e6", "983e21780d51"})
+# the full-rotary one (Llama and ~120 other models), Phi-3's partial-rotary one, and OLMo 2/3's,
+# which computes in the promoted dtype of q/k and cos/sin and casts back to q/k's dtype: what the
+# kernel does (fp32 math, q/k's dtype out, cos/sin of any float dtype).
+APPLY_ROTARY_POS_EMB = frozenset({"3e306efef1e6", "983e21780d51", "b3cd202ec32b"})
 ROTATE_HALF = frozenset({"47a58608bb04"})
 
 GLOBAL_NAME = "apply_rotary_pos_emb"
