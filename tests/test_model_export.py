@@ -67,6 +67,9 @@ def _one_thread(one_torch_thread):
 def _launch(fn, *args):
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("two workers on a CUDA machine take one GPU each; this one has fewer")
+
     from fuseforge_flyte.training.local import _free_port
 
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d", max_restarts=0,
@@ -104,7 +107,7 @@ def _same_state(loaded: torch.nn.Module, expected: dict) -> None:
     assert set(expected) <= set(state)
     for key, value in expected.items():
         assert state[key].dtype == torch.float32, key
-        torch.testing.assert_close(state[key], value, rtol=0, atol=0, msg=key)
+        torch.testing.assert_close(state[key], value.cpu(), rtol=0, atol=0, msg=key)
 
 
 # ---------------------------------------------------------------- DDP: the whole path, loaded without fuseforge
@@ -181,7 +184,7 @@ def test_ddp_export_loads_without_fuseforge_and_gives_the_same_logits(tmp_path):
         model.state_dict()[key].copy_(value)
     ids = torch.randint(0, vocab, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        expected = model(input_ids=ids).logits
+        expected = model(input_ids=ids.to(ctx.device)).logits.cpu()
     torch.save(ids, tmp_path / "ids.pt")
     proc = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_FUSEFORGE, out_dir, str(tmp_path / "ids.pt"),
                            str(tmp_path / "logits.pt")], capture_output=True, text=True, timeout=120,
@@ -293,7 +296,7 @@ def exported(tmp_path_factory):
     strategy = make_strategy(_spec(), ctx, model)
     _train_steps(strategy, model.config.vocab_size, seed=3)
     out_dir = save_pretrained_model(strategy, ctx, str(tmp / "model"), tokenizer_dir=_tokenizer_dir())
-    return out_dir, {k: v.clone() for k, v in model.state_dict().items()}
+    return out_dir, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 def _assert_loads_exactly(model: torch.nn.Module, weights: dict) -> None:
@@ -444,7 +447,7 @@ def test_verification_rejects_a_wrong_config_or_a_missing_tensor(exported, tmp_p
 def test_out_dir_rules_and_failures_leave_nothing_behind(exported, tmp_path):
     out_dir, weights = exported
     ctx = DistContext.from_env(need_group=False)
-    strategy = make_strategy(_spec(), ctx, build_model(out_dir, seed=0, device="cpu"))
+    strategy = make_strategy(_spec(), ctx, build_model(out_dir, seed=0, device=ctx.device))
 
     empty = tmp_path / "empty"
     empty.mkdir()  # an empty directory (as tasks.py makes with mkdtemp) is replaced
