@@ -10,18 +10,29 @@ from fuseforge.functional import rope
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def rope_reference(q, k, cos, sin, unsqueeze_dim=1):
-    """HF's formula in float64: x_rot * cos + rotate_half(x_rot) * sin, the rest passed through."""
+def rope_reference(q, k, cos, sin, unsqueeze_dim=1, layout="rotate_half"):
+    """HF's formula in float64: x_rot * cos + rotate_half(x_rot) * sin, the rest passed through.
+
+    layout="interleaved" is GLM-4's: cos/sin[..., :Dr/2] repeat-interleaved, and rotate_half
+    turning each pair (x[2i], x[2i+1]) into (-x[2i+1], x[2i]).
+    """
     cos = cos.double().unsqueeze(unsqueeze_dim)
     sin = sin.double().unsqueeze(unsqueeze_dim)
     rotary_dim = cos.shape[-1]
     half = rotary_dim // 2
+    if layout == "interleaved":
+        cos = cos[..., :half].repeat_interleave(2, dim=-1)
+        sin = sin[..., :half].repeat_interleave(2, dim=-1)
+
+    def rotate(rot):
+        if layout == "interleaved":
+            return torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
+        return torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
 
     def apply(x):
         x = x.double()
         rot, passed = x[..., :rotary_dim], x[..., rotary_dim:]
-        rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
-        return torch.cat((rot * cos + rotated_half * sin, passed), dim=-1)
+        return torch.cat((rot * cos + rotate(rot) * sin, passed), dim=-1)
 
     return apply(q), apply(k)
 
@@ -52,12 +63,12 @@ def make_cos_sin(cos_batch, seq, rotary_dim, dtype, device):
     return cos, sin
 
 
-def check_against_reference(q, k, cos, sin, dtype, unsqueeze_dim=1):
+def check_against_reference(q, k, cos, sin, dtype, unsqueeze_dim=1, layout="rotate_half"):
     q_before, k_before = q.detach().clone(), k.detach().clone()
-    q_out, k_out = rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+    q_out, k_out = rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, layout=layout)
     q64 = q.detach().double().requires_grad_()
     k64 = k.detach().double().requires_grad_()
-    q_ref, k_ref = rope_reference(q64, k64, cos, sin, unsqueeze_dim)
+    q_ref, k_ref = rope_reference(q64, k64, cos, sin, unsqueeze_dim, layout)
     assert q_out.dtype == q.dtype and k_out.dtype == k.dtype
     assert q_out.shape == q.shape and k_out.shape == k.shape
     assert_close(q_out, q_ref, dtype, msg="q_out")
@@ -215,6 +226,13 @@ def _valid(device):
         ),
         (lambda a: dict(a, unsqueeze_dim=3), ValueError, "unsqueeze_dim must be 1"),
         (lambda a: dict(a, unsqueeze_dim=1.0), TypeError, "unsqueeze_dim must be an int"),
+        (lambda a: dict(a, layout="pairs"), ValueError, r"one of \('rotate_half', 'interleaved'\), got 'pairs'"),
+        (lambda a: dict(a, layout=None), ValueError, "layout must be one of"),
+        (
+            lambda a: dict(a, cos=a["cos"][..., :31], sin=a["sin"][..., :31], layout="interleaved"),
+            ValueError,
+            r"rotary_dim=31\) must be even",
+        ),
     ],
 )
 def test_bad_inputs(device, change, error, match):
@@ -227,3 +245,87 @@ def test_mixed_devices_rejected():
     args = _valid("cuda")
     with pytest.raises(ValueError, match="cos is on"):
         rope(args["q"], args["k"], args["cos"].cpu(), args["sin"])
+
+
+# --- layout="interleaved" (GLM-4: pairs (x[2i], x[2i+1]), cos/sin[..., :Dr/2] repeat-interleaved) ---
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (16, 8), (80, 40), (96, 34)], ids=lambda v: str(v))
+def test_interleaved_head_dims_and_partial_rotary(device, dtype, head_dim, rotary_dim):
+    """Ragged sizes: 7 tokens, 6/3 heads, Dr/2 = 17 (not a power of two), pass-through tails."""
+    q, k = make_qk(2, 7, 6, 3, head_dim, dtype, device)
+    cos, sin = make_cos_sin(1, 7, rotary_dim, dtype, device)
+    check_against_reference(q, k, cos, sin, dtype, layout="interleaved")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "layout,unsqueeze_dim", [("contiguous", 1), ("fused_qkv", 1), ("hf", 1), ("bthd", 2)]
+)
+def test_interleaved_layouts_gqa_and_cos_batch(device, dtype, layout, unsqueeze_dim):
+    q, k = make_qk(3, 5, 4, 1, 48, dtype, device, layout)
+    cos, sin = make_cos_sin(3, 5, 24, dtype, device)
+    check_against_reference(q, k, cos, sin, dtype, unsqueeze_dim=unsqueeze_dim, layout="interleaved")
+
+
+@pytest.mark.parametrize("tile", [64, 512])
+def test_interleaved_launch_tiling(device, monkeypatch, tile):
+    monkeypatch.setattr(rope_module, "_INTERPRETER_TILE", tile)
+    monkeypatch.setattr(rope_module, "_GPU_TILE", tile)
+    q, k = make_qk(3, 5, 6, 3, 64, torch.float32, device)
+    cos, sin = make_cos_sin(3, 5, 32, torch.float32, device)
+    check_against_reference(q, k, cos, sin, torch.float32, layout="interleaved")
+
+
+def test_interleaved_pairing_is_not_rotate_half(device):
+    """The two layouts differ, and the interleaved one reads only cos/sin[..., :Dr/2]: a kernel
+    that paired the wrong elements or read the second half of cos/sin would fail here."""
+    q, k = make_qk(1, 4, 2, 1, 32, torch.float32, device, "contiguous")
+    cos, sin = make_cos_sin(1, 4, 16, torch.float32, device)
+    q_int, k_int = rope(q, k, cos, sin, layout="interleaved")
+    q_rh, _ = rope(q, k, cos, sin)
+    assert not torch.allclose(q_int, q_rh, atol=1e-3)
+    q_ref, k_ref = rope_reference(q, k, cos, sin, layout="interleaved")
+    assert_close(q_int, q_ref, torch.float32)
+    assert_close(k_int, k_ref, torch.float32)
+    # Changing the unread second half of cos/sin changes nothing.
+    cos2, sin2 = cos.clone(), sin.clone()
+    cos2[..., 8:], sin2[..., 8:] = 7.0, -5.0
+    q_int2, k_int2 = rope(q, k, cos2, sin2, layout="interleaved")
+    assert torch.equal(q_int, q_int2) and torch.equal(k_int, k_int2)
+    # One pair by hand: out[0] = x0 c0 - x1 s0, out[1] = x1 c0 + x0 s0; dims >= 16 pass through.
+    x, c, s = q[0, 0, 2].detach(), cos[0, 2, 0], sin[0, 2, 0]
+    assert torch.allclose(q_int[0, 0, 2, 0], x[0] * c - x[1] * s, atol=1e-5)
+    assert torch.allclose(q_int[0, 0, 2, 1], x[1] * c + x[0] * s, atol=1e-5)
+    assert torch.equal(q_int[..., 16:], q.detach()[..., 16:])
+
+
+def test_interleaved_gradcheck_float64(device):
+    q = torch.randn(1, 2, 2, 6, dtype=torch.float64, device=device).transpose(1, 2).requires_grad_()
+    k = torch.randn(1, 1, 2, 6, dtype=torch.float64, device=device, requires_grad=True)
+    cos, sin = make_cos_sin(1, 2, 4, torch.float64, device)
+    assert torch.autograd.gradcheck(
+        lambda q, k: rope(q, k, cos, sin, layout="interleaved"), (q, k), fast_mode=True
+    )
+
+
+def test_interleaved_matches_transformers_glm4(device):
+    """Real GLM-4 cos/sin (partial_rotary_factor=0.5) against transformers' glm4 apply_rotary_pos_emb."""
+    from transformers import Glm4Config
+    from transformers.models.glm4.modeling_glm4 import Glm4RotaryEmbedding, apply_rotary_pos_emb
+
+    config = Glm4Config(hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=32)
+    q, k = make_qk(2, 9, 4, 2, 32, torch.float32, device)
+    position_ids = torch.arange(3, 12, device=device).expand(2, -1)
+    cos, sin = Glm4RotaryEmbedding(config).to(device)(q, position_ids)
+    assert cos.shape[-1] < 32  # partial rotary
+    q_out, k_out = rope(q, k, cos, sin, layout="interleaved")
+    q_hf, k_hf = apply_rotary_pos_emb(q, k, cos, sin)
+    assert_close(q_out, q_hf, torch.float32)
+    assert_close(k_out, k_hf, torch.float32)
+    grads = torch.randn_like(q_out), torch.randn_like(k_out)
+    for ours, theirs in zip(
+        torch.autograd.grad((q_out, k_out), (q, k), grads), torch.autograd.grad((q_hf, k_hf), (q, k), grads)
+    ):
+        assert_close(ours, theirs, torch.float32)

@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 from test_transformers_tiny_models import (  # noqa: E402
     DEVICE,
     FAMILIES,
+    FAMILIES_AND_VARIANTS,
     MOE_FAMILIES,
     ROPE_LAYERS,
     patched_copy,
@@ -105,7 +106,7 @@ def _experts(family: str) -> dict:
     return {"experts_implementation": "eager"} if family in MOE_FAMILIES else {}
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES_AND_VARIANTS)
 def test_training_matches_unpatched(family, kernel_calls):
     ref = tiny_model(family, **_experts(family)).train()
     fused = _patched(ref).train()

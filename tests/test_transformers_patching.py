@@ -73,7 +73,7 @@ def rope_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("family", ["llama", *FAMILIES[FAMILIES.index("qwen3_moe") :]])
+@pytest.mark.parametrize("family", ["llama", *FAMILIES[FAMILIES.index("qwen3_moe") :], "phi4"])
 def test_patch_keeps_weights_and_unpatch_restores_bit_exact_behaviour(family):
     experts = {"experts_implementation": "eager"} if family in MOE_FAMILIES else {}
     ref = tiny_model(family, **experts)

@@ -86,6 +86,29 @@ FAMILY_CONFIGS = {
     "exaone4": dict(model_type="exaone4", sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
 }
 FAMILIES = tuple(FAMILY_CONFIGS)
+# Checkpoints that ship under another family's model_type: name -> (family, config overrides).
+# Phi-4 (microsoft/phi-4, Phi-4-mini) is model_type "phi3"; Phi-4-mini's shape: GQA, rotary on 3/4 of
+# each head (Dr/2 = 6 here, not a power of two), tied embeddings, LongRoPE scaling with an original
+# context shorter than max_position_embeddings (so cos/sin carry an attention factor != 1).
+VARIANTS = {
+    "phi4": (
+        "phi3",
+        dict(
+            partial_rotary_factor=0.75,
+            tie_word_embeddings=True,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.75,
+                factor=2.0,
+                original_max_position_embeddings=32,
+                short_factor=[1.0, 1.1, 1.2, 1.3, 1.4, 1.5],
+                long_factor=[1.5, 2.0, 2.5, 3.0, 3.5, 4.0],
+            ),
+        ),
+    ),
+}
+FAMILIES_AND_VARIANTS = FAMILIES + tuple(VARIANTS)
 MOE_FAMILIES = ("mixtral", "qwen3_moe")  # router aux loss in the loss; experts run eager in the tests
 # Norms per decoder layer (the model adds one final norm): input/post-attention, plus q/k norms
 # and Gemma's / OLMo's / GLM-4's / EXAONE's extra pre/post norms.
@@ -94,10 +117,18 @@ NORMS_PER_LAYER = {
     "gemma3": 6,
 }
 # Layers whose attention applies RoPE (NoPE layers keep the patched attention but never call it).
-ROPE_LAYERS = {"smollm3": 1, "exaone4": 1, "glm4": 0}
+ROPE_LAYERS = {"smollm3": 1, "exaone4": 1}
+
+
+def family_of(name: str) -> str:
+    """The supported family a tiny-model name (family or VARIANTS entry) patches as."""
+    return VARIANTS[name][0] if name in VARIANTS else name
 
 
 def tiny_config(family: str, **overrides):
+    if family in VARIANTS:
+        family, variant = VARIANTS[family]
+        overrides = {**variant, **overrides}
     spec = {**COMMON, **FAMILY_CONFIGS[family], **overrides}
     return transformers.AutoConfig.for_model(spec.pop("model_type"), **spec)
 
@@ -158,9 +189,10 @@ def patched_copy(model, **flags):
 # --- tests ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_module_of_a_supported_family_is_recognised(family):
-    model = tiny_model(family)
+@pytest.mark.parametrize("name", FAMILIES_AND_VARIANTS)
+def test_every_module_of_a_supported_family_is_recognised(name):
+    model = tiny_model(name)
+    family = family_of(name)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a supported family must patch without any warning
         report = apply_kernels(model)
@@ -181,6 +213,18 @@ def test_every_module_of_a_supported_family_is_recognised(family):
     assert all(expected_glu in label for label in report.patched["swiglu"])
     assert "cross_entropy" not in report.patched  # off by default
     assert type(model.lm_head).__name__ == "FusedLinear"
+    if model.config.tie_word_embeddings:  # Phi-4: the fused head still shares the embedding's weight
+        assert model.lm_head.weight is model.get_input_embeddings().weight
+    unpatch(model)
+
+
+def test_glm4_rope_is_fused_with_interleaved_pairs():
+    """GLM-4's interleaved-pair apply_rotary_pos_emb is recognised, fused, and named in the report."""
+    model = tiny_model("glm4")
+    report = apply_kernels(model)
+    labels = list(report.patched["rope"])
+    assert labels and all("modeling_glm4.apply_rotary_pos_emb, interleaved pairs" in label for label in labels)
+    assert "rope: NOT patched" not in report.summary()
     unpatch(model)
 
 

@@ -7,6 +7,15 @@ including partial rotary (`cos`/`sin` narrower than the head: only the first
     out[:h]   = x[:h] * cos[:h] - x[h:Dr] * sin[:h]
     out[h:Dr] = x[h:Dr] * cos[h:] + x[:h] * sin[h:]
 
+With `layout="interleaved"` (GLM-4's `apply_rotary_pos_emb`: cos/sin are
+`cos[..., :Dr/2].repeat_interleave(2)` and rotate_half pairs x[0::2] with
+x[1::2]), pair i = (x[2i], x[2i+1]), i < Dr/2, rotates by cos[i], sin[i]:
+
+    out[2i]   = x[2i] * cos[i] - x[2i+1] * sin[i]
+    out[2i+1] = x[2i+1] * cos[i] + x[2i] * sin[i]
+
+(only the first Dr/2 entries of cos/sin are read, as in HF), dims >= Dr pass through.
+
 One program handles a block of (batch, token) positions and every head of q
 and k there, so cos/sin are read once per position. q/k are read through
 their strides (HF hands over `view(...).transpose(1, 2)` views), so nothing is
@@ -47,11 +56,17 @@ def _rotate_heads(
     b, t, row_mask, cos1, cos2, sin1, sin2, n_heads,
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    FP64: tl.constexpr,
+    FP64: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     """Rotate all heads of one tensor at the positions (b, t) ([BLOCK_T, 1, 1] each)."""
     d = tl.arange(0, BLOCK_HALF)[None, None, :]
     d_mask = d < HALF
+    if INTERLEAVED:
+        d1 = 2 * d  # pair i = (x[2i], x[2i+1])
+        d2 = 2 * d + 1
+    else:
+        d1 = d  # pair i = (x[i], x[i + Dr/2])
+        d2 = d + HALF
     x_pos = x_ptr + b * sx_b + t * sx_t
     o_pos = out_ptr + b * so_b + t * so_t
     for h0 in range(0, n_heads, BLOCK_H):
@@ -59,13 +74,13 @@ def _rotate_heads(
         head_mask = row_mask & (h < n_heads)
         mask = head_mask & d_mask
         x_head = x_pos + h * sx_h
-        x1 = upcast(tl.load(x_head + d * sx_d, mask=mask, other=0.0), FP64)
-        x2 = upcast(tl.load(x_head + (d + HALF) * sx_d, mask=mask, other=0.0), FP64)
+        x1 = upcast(tl.load(x_head + d1 * sx_d, mask=mask, other=0.0), FP64)
+        x2 = upcast(tl.load(x_head + d2 * sx_d, mask=mask, other=0.0), FP64)
         o1 = x1 * cos1 - x2 * sin1
         o2 = x2 * cos2 + x1 * sin2
         o_head = o_pos + h * so_h
-        tl.store(o_head + d * so_d, o1.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(o_head + (d + HALF) * so_d, o2.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_head + d1 * so_d, o1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_head + d2 * so_d, o2.to(out_ptr.dtype.element_ty), mask=mask)
         if HEAD_DIM > 2 * HALF:
             p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, None, :]
             p_mask = head_mask & (p < HEAD_DIM)
@@ -86,7 +101,7 @@ def _rope_kernel(
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    BACKWARD: tl.constexpr, FP64: tl.constexpr,
+    BACKWARD: tl.constexpr, FP64: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = (rows < n_rows)[:, None, None]
@@ -98,19 +113,24 @@ def _rope_kernel(
     cos_pos = cos_ptr + b * sc_b + t * sc_t
     sin_pos = sin_ptr + b * ss_b + t * ss_t
     cos1 = upcast(tl.load(cos_pos + d * sc_d, mask=cs_mask, other=0.0), FP64)
-    cos2 = upcast(tl.load(cos_pos + (d + HALF) * sc_d, mask=cs_mask, other=0.0), FP64)
     sin1 = upcast(tl.load(sin_pos + d * ss_d, mask=cs_mask, other=0.0), FP64)
-    sin2 = upcast(tl.load(sin_pos + (d + HALF) * ss_d, mask=cs_mask, other=0.0), FP64)
+    if INTERLEAVED:
+        # HF reads only cos/sin[:Dr/2] (repeat-interleaved): both members of pair i use entry i.
+        cos2 = cos1
+        sin2 = sin1
+    else:
+        cos2 = upcast(tl.load(cos_pos + (d + HALF) * sc_d, mask=cs_mask, other=0.0), FP64)
+        sin2 = upcast(tl.load(sin_pos + (d + HALF) * ss_d, mask=cs_mask, other=0.0), FP64)
     if BACKWARD:
         # Transpose of [[cos1, -sin1], [sin2, cos2]]: same kernel with the sines swapped and negated.
         sin1, sin2 = -sin2, -sin1
 
     _rotate_heads(q_ptr, q_out_ptr, sq_b, sq_h, sq_t, sq_d, sqo_b, sqo_h, sqo_t, sqo_d,
                   b, t, row_mask, cos1, cos2, sin1, sin2, n_q_heads,
-                  HALF, HEAD_DIM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, FP64)
+                  HALF, HEAD_DIM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, FP64, INTERLEAVED)
     _rotate_heads(k_ptr, k_out_ptr, sk_b, sk_h, sk_t, sk_d, sko_b, sko_h, sko_t, sko_d,
                   b, t, row_mask, cos1, cos2, sin1, sin2, n_k_heads,
-                  HALF, HEAD_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, FP64)
+                  HALF, HEAD_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, FP64, INTERLEAVED)
 
 
 def _bhtd_strides(x: torch.Tensor, heads_dim: int) -> tuple[int, int, int, int]:
@@ -119,7 +139,7 @@ def _bhtd_strides(x: torch.Tensor, heads_dim: int) -> tuple[int, int, int, int]:
     return x.stride(0), x.stride(heads_dim), x.stride(token_dim), x.stride(3)
 
 
-def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool) -> None:
+def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, interleaved: bool) -> None:
     batch, seq_len, head_dim = q.shape[0], q.shape[3 - heads_dim], q.shape[3]
     n_q_heads, n_k_heads = q.shape[heads_dim], k.shape[heads_dim]
     n_rows = batch * seq_len
@@ -150,20 +170,20 @@ def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool) -> Non
         HALF=half, HEAD_DIM=head_dim, BLOCK_T=block_t,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-        BACKWARD=backward, FP64=q_out.dtype == torch.float64,
+        BACKWARD=backward, FP64=q_out.dtype == torch.float64, INTERLEAVED=interleaved,
         num_warps=num_warps,
     )
 
 
 class _RoPEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, cos, sin, heads_dim):
+    def forward(ctx, q, k, cos, sin, heads_dim, interleaved):
         # empty_like keeps q's memory layout (e.g. [B, T, H, D] under a transposed view), as HF's
         # elementwise formula would, so attention kernels downstream see the same strides.
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        _launch(q, k, q_out, k_out, cos, sin, heads_dim, backward=False)
+        _launch(q, k, q_out, k_out, cos, sin, heads_dim, backward=False, interleaved=interleaved)
         ctx.save_for_backward(cos, sin)
-        ctx.heads_dim = heads_dim
+        ctx.heads_dim, ctx.interleaved = heads_dim, interleaved
         return q_out, k_out
 
     @staticmethod
@@ -171,12 +191,18 @@ class _RoPEFunction(torch.autograd.Function):
     def backward(ctx, grad_q_out, grad_k_out):
         cos, sin = ctx.saved_tensors
         grad_q, grad_k = torch.empty_like(grad_q_out), torch.empty_like(grad_k_out)
-        _launch(grad_q_out, grad_k_out, grad_q, grad_k, cos, sin, ctx.heads_dim, backward=True)
-        return grad_q, grad_k, None, None, None
+        _launch(grad_q_out, grad_k_out, grad_q, grad_k, cos, sin, ctx.heads_dim, backward=True,
+                interleaved=ctx.interleaved)
+        return grad_q, grad_k, None, None, None, None
 
 
-def _validate(q, k, cos, sin, unsqueeze_dim) -> int:
+LAYOUTS = ("rotate_half", "interleaved")
+
+
+def _validate(q, k, cos, sin, unsqueeze_dim, layout="rotate_half") -> int:
     """Check the inputs; return the dim of q/k that holds the heads (1 or 2)."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     check_tensor("q", q, ndim=4, dtypes=FLOAT_DTYPES)
     check_tensor("k", k, ndim=4, dtypes=FLOAT_DTYPES)
     check_tensor("cos", cos, ndim=3, dtypes=FLOAT_DTYPES)
@@ -217,7 +243,13 @@ def _validate(q, k, cos, sin, unsqueeze_dim) -> int:
 
 
 def rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int = 1,
+    *,
+    layout: str = "rotate_half",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Apply rotary position embeddings to q and k (Hugging Face `apply_rotary_pos_emb` semantics).
 
@@ -225,6 +257,11 @@ def rope(
     any strides. cos/sin: [1 or B, T, Dr] with Dr even and <= D; only the first Dr dims of each
     head rotate. Returns new tensors in q/k's dtype and memory layout; computes in fp32 (fp64 for
     fp64 inputs). cos/sin may have another float dtype than q/k and receive no gradient.
+
+    layout="rotate_half" (default): Llama's convention, pairs (x[i], x[i + Dr/2]).
+    layout="interleaved": GLM-4's convention, pairs (x[2i], x[2i+1]) rotated by cos[..., i] and
+    sin[..., i] for i < Dr/2 (HF passes the same [.., Dr] cos/sin and repeat-interleaves their first
+    half; the second half is not read).
     """
-    heads_dim = _validate(q, k, cos, sin, unsqueeze_dim)
-    return _RoPEFunction.apply(q, k, cos, sin, heads_dim)
+    heads_dim = _validate(q, k, cos, sin, unsqueeze_dim, layout)
+    return _RoPEFunction.apply(q, k, cos, sin, heads_dim, layout == "interleaved")

@@ -53,12 +53,6 @@ def _family(name: str, prefix: str, *model_types: str, **facts) -> Family:
     )
 
 
-_GLM4_ROPE = (
-    "GLM-4 rotates interleaved pairs (x[0::2], x[1::2]) with repeat-interleaved cos/sin; the RoPE kernel "
-    "implements rotate-half only, so GLM-4's apply_rotary_pos_emb is left as is"
-)
-
-
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -85,7 +79,13 @@ FAMILIES: dict[str, Family] = {
             title="Gemma 3",
             notes="as Gemma 2, plus q/k norms; the multimodal gemma3's loss is not fused",
         ),
-        _family("phi3", "Phi3", title="Phi-3", notes="fused gate_up projection, partial rotary"),
+        # Phi-4 (microsoft/phi-4, Phi-4-mini) ships as model_type "phi3": Phi3ForCausalLM, same modules.
+        _family(
+            "phi3",
+            "Phi3",
+            title="Phi-3, Phi-4",
+            notes="fused gate_up projection, partial rotary; Phi-4 is model_type phi3",
+        ),
         _family(
             "qwen3_moe",
             "Qwen3Moe",
@@ -103,7 +103,7 @@ FAMILIES: dict[str, Family] = {
         _family("smollm3", "SmolLM3", notes="RoPE only on the layers that use it (NoPE layers unchanged)"),
         _family("olmo2", "Olmo2", title="OLMo 2", notes="post-norm, q/k norms over all heads (OLMo RMSNorm casting)"),
         _family("olmo3", "Olmo3", title="OLMo 3", notes="as OLMo 2, with sliding-window layers"),
-        _family("glm4", "Glm4", unfused=(("rope", _GLM4_ROPE),), title="GLM-4", notes="RoPE: interleaved, not fused"),
+        _family("glm4", "Glm4", title="GLM-4", notes='interleaved-pair partial RoPE (layout="interleaved")'),
         _family("exaone4", "Exaone4", title="EXAONE 4", notes="post-norm, q/k norms; RoPE on the layers that use it"),
     )
 }

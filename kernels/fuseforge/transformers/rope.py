@@ -38,6 +38,17 @@ from fuseforge.transformers._fingerprint import matches
 # kernel does (fp32 math, q/k's dtype out, cos/sin of any float dtype).
 APPLY_ROTARY_POS_EMB = frozenset({"3e306efef1e6", "983e21780d51", "b3cd202ec32b"})
 ROTATE_HALF = frozenset({"47a58608bb04"})
+# GLM / GLM-4's interleaved-pair body (also Moonshine's): cos/sin[..., :Dr/2] repeat-interleaved,
+# partial rotary over the first Dr dims, and a rotate_half that maps pairs (x[2i], x[2i+1]) to
+# (-x[2i+1], x[2i]): the kernel's layout="interleaved". Only this pair of bodies takes that layout;
+# a rotate-half apply body with the interleaved rotate_half (or the reverse) is not recognised.
+APPLY_ROTARY_POS_EMB_INTERLEAVED = frozenset({"22307ccfdcbd"})
+ROTATE_HALF_INTERLEAVED = frozenset({"00cd0e31c2ef"})
+# (verified apply_rotary_pos_emb bodies, verified rotate_half bodies, kernel layout)
+_VERIFIED = (
+    (APPLY_ROTARY_POS_EMB, ROTATE_HALF, "rotate_half"),
+    (APPLY_ROTARY_POS_EMB_INTERLEAVED, ROTATE_HALF_INTERLEAVED, "interleaved"),
+)
 
 GLOBAL_NAME = "apply_rotary_pos_emb"
 _ACTIVE = contextvars.ContextVar("fuseforge_fused_rope_active", default=False)
@@ -67,13 +78,14 @@ def _fusable(q, k, cos, sin, unsqueeze_dim) -> bool:
     )
 
 
-def _make_dispatcher(original):
+def _make_dispatcher(original, layout: str = "rotate_half"):
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
         if _ACTIVE.get() and _fusable(q, k, cos, sin, unsqueeze_dim):
-            return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+            return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, layout=layout)
         return original(q, k, cos, sin, unsqueeze_dim)
 
+    apply_rotary_pos_emb._fuseforge_layout = layout
     return apply_rotary_pos_emb
 
 
@@ -95,18 +107,34 @@ def _installed(module_name: str) -> bool:
     return install is not None and getattr(module, GLOBAL_NAME, None) is install.dispatcher
 
 
+def _layout_of(module_name: str) -> tuple[str | None, str | None]:
+    """(kernel layout, None) when the module's current RoPE global is verified; else (None, why not)."""
+    current = getattr(sys.modules.get(module_name), GLOBAL_NAME, None)
+    if current is None:
+        return None, f"{module_name} has no {GLOBAL_NAME}"
+    if getattr(current, "__wrapped__", None) is not None:
+        return None, f"{module_name}.{GLOBAL_NAME} is not a recognised rotate-half or interleaved RoPE"
+    for applies, rotate_halves, layout in _VERIFIED:
+        if matches(current, applies):
+            if not matches(current.__globals__.get("rotate_half"), rotate_halves):
+                kind = "standard rotate-half" if layout == "rotate_half" else "interleaved-pair rotate_half"
+                return None, f"{module_name}.rotate_half is not the {kind}"
+            return layout, None
+    return None, f"{module_name}.{GLOBAL_NAME} is not a recognised rotate-half or interleaved RoPE"
+
+
 def check_module(module_name: str) -> str | None:
     """None when the module's RoPE is (or is dispatched to) a verified implementation; else why not."""
     if _installed(module_name):
         return None
-    current = getattr(sys.modules.get(module_name), GLOBAL_NAME, None)
-    if current is None:
-        return f"{module_name} has no {GLOBAL_NAME}"
-    if getattr(current, "__wrapped__", None) is not None or not matches(current, APPLY_ROTARY_POS_EMB):
-        return f"{module_name}.{GLOBAL_NAME} is not a recognised rotate-half RoPE"
-    if not matches(current.__globals__.get("rotate_half"), ROTATE_HALF):
-        return f"{module_name}.rotate_half is not the standard rotate-half"
-    return None
+    return _layout_of(module_name)[1]
+
+
+def layout_of(module_name: str) -> str | None:
+    """The kernel layout ("rotate_half" / "interleaved") the module's RoPE is (or would be) fused with."""
+    if _installed(module_name):
+        return _INSTALLS[module_name].dispatcher._fuseforge_layout
+    return _layout_of(module_name)[0]
 
 
 def ensure_installed(module_name: str) -> bool:
@@ -116,11 +144,12 @@ def ensure_installed(module_name: str) -> bool:
     with _LOCK:
         if _installed(module_name):
             return True
-        if check_module(module_name) is not None:
+        layout, why_not = _layout_of(module_name)
+        if why_not is not None:
             return False
         module = sys.modules[module_name]
         original = getattr(module, GLOBAL_NAME)
-        install = _Install(original, _make_dispatcher(original))
+        install = _Install(original, _make_dispatcher(original, layout))
         setattr(module, GLOBAL_NAME, install.dispatcher)
         _INSTALLS[module_name] = install
         return True
