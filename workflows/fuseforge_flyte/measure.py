@@ -42,6 +42,7 @@ from typing import Any, Iterable, Iterator, List, Mapping, Optional
 
 import torch
 
+from fuseforge.ops._loss_args import IGNORE_INDEX  # labels that carry no loss (transformers' convention)
 from fuseforge_flyte.training.metrics import History, peak_memory_gib, reset_peak_memory, summarize
 from fuseforge_flyte.training.spec import TrainMetrics
 
@@ -50,7 +51,6 @@ try:  # the callback needs transformers; the meter does not
 except ImportError:  # pragma: no cover - depends on the environment
     TrainerCallback = object  # type: ignore[assignment,misc]
 
-IGNORE_INDEX = -100  # labels that carry no loss (transformers' convention)
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fuseforge.modules._checks import check_size
+from fuseforge.ops._loss_args import IGNORE_INDEX, check_chunk_size
 from fuseforge.ops.jsd import JSD_REDUCTIONS, check_beta, fused_linear_jsd, jsd
 from fuseforge.ops.kl_div import KL_REDUCTIONS, kl_div
 from fuseforge.ops.utils import check_int64, check_positive, check_reduction
@@ -16,7 +16,7 @@ class JSDLoss(torch.nn.Module):
     forward(student_logp, teacher_logp, target=None): rows whose target is `ignore_index` are skipped.
     """
 
-    def __init__(self, beta: float = 0.5, ignore_index: int = -100, reduction: str = "batchmean"):
+    def __init__(self, beta: float = 0.5, ignore_index: int = IGNORE_INDEX, reduction: str = "batchmean"):
         super().__init__()
         self.beta = check_beta(beta)
         self.ignore_index = check_int64("ignore_index", ignore_index)
@@ -36,15 +36,13 @@ class FusedLinearJSDLoss(torch.nn.Module):
     """
 
     def __init__(
-        self, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = -100, chunk_size: int | None = None
+        self, beta: float = 0.5, temperature: float = 1.0, ignore_index: int = IGNORE_INDEX, chunk_size: int | None = None
     ):
         super().__init__()
         self.beta = check_beta(beta)
         self.temperature = check_positive("temperature", temperature)
         self.ignore_index = check_int64("ignore_index", ignore_index)
-        if chunk_size is not None:
-            chunk_size = check_size("chunk_size", chunk_size)
-        self.chunk_size = chunk_size
+        self.chunk_size = check_chunk_size(chunk_size)
 
     def forward(self, student_hidden, student_weight, teacher_hidden, teacher_weight, target=None):
         return fused_linear_jsd(

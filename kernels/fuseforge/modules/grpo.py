@@ -7,6 +7,7 @@ from dataclasses import asdict
 import torch
 
 from fuseforge.modules.preference import _HeadLoss
+from fuseforge.ops._loss_args import IGNORE_INDEX
 from fuseforge.ops.grpo import GRPOOutput, check_grpo_options, fused_linear_grpo_loss
 
 
@@ -21,7 +22,7 @@ class FusedLinearGRPOLoss(_HeadLoss):
     def __init__(self, loss_type: str = "dapo", beta: float = 0.0, epsilon_low: float = 0.2,
                  epsilon_high: float | None = None, delta: float | None = None,
                  importance_sampling_level: str = "token", use_bias_correction_kl: bool = True,
-                 max_completion_length: int | None = None, temperature: float = 1.0, ignore_index: int = -100,
+                 max_completion_length: int | None = None, temperature: float = 1.0, ignore_index: int = IGNORE_INDEX,
                  chunk_size: int | None = None):
         super().__init__(ignore_index, chunk_size)
         self.options = check_grpo_options(loss_type, beta, epsilon_low, epsilon_high, delta,

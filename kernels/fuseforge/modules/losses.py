@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from fuseforge.ops._loss_args import IGNORE_INDEX, check_chunk_size
 from fuseforge.ops.cross_entropy import check_loss_options, cross_entropy
-from fuseforge.ops.fused_linear_cross_entropy import check_chunk_size, fused_linear_cross_entropy
+from fuseforge.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
 
 class _CrossEntropyOptions(torch.nn.Module):
@@ -49,7 +50,7 @@ class CrossEntropyLoss(_CrossEntropyOptions):
 
     def __init__(
         self,
-        ignore_index: int = -100,
+        ignore_index: int = IGNORE_INDEX,
         reduction: str = "mean",
         label_smoothing: float = 0.0,
         z_loss_scale: float = 0.0,
@@ -78,7 +79,7 @@ class FusedLinearCrossEntropyLoss(_CrossEntropyOptions):
 
     def __init__(
         self,
-        ignore_index: int = -100,
+        ignore_index: int = IGNORE_INDEX,
         reduction: str = "mean",
         label_smoothing: float = 0.0,
         z_loss_scale: float = 0.0,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fuseforge.ops.fused_linear_cross_entropy import check_chunk_size
+from fuseforge.ops._loss_args import IGNORE_INDEX, check_chunk_size
 from fuseforge.ops.preference import (
     CPO_LOSS_TYPES,
     DPO_LOSS_TYPES,
@@ -49,7 +49,7 @@ class FusedLinearDPOLoss(_HeadLoss):
     """
 
     def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                 ignore_index: int = -100, chunk_size: int | None = None):
+                 ignore_index: int = IGNORE_INDEX, chunk_size: int | None = None):
         super().__init__(ignore_index, chunk_size)
         self.loss_type = check_choice("loss_type", loss_type, DPO_LOSS_TYPES)
         self.beta = check_beta(beta)
@@ -74,7 +74,7 @@ class FusedLinearCPOLoss(_HeadLoss):
     """
 
     def __init__(self, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
-                 cpo_alpha: float = 1.0, simpo_gamma: float = 0.5, ignore_index: int = -100,
+                 cpo_alpha: float = 1.0, simpo_gamma: float = 0.5, ignore_index: int = IGNORE_INDEX,
                  chunk_size: int | None = None):
         super().__init__(ignore_index, chunk_size)
         self.loss_type = check_choice("loss_type", loss_type, CPO_LOSS_TYPES)
@@ -102,7 +102,7 @@ class FusedLinearSimPOLoss(_HeadLoss):
     """
 
     def __init__(self, beta: float = 0.1, gamma: float = 0.5, label_smoothing: float = 0.0, cpo_alpha: float = 0.0,
-                 ignore_index: int = -100, chunk_size: int | None = None):
+                 ignore_index: int = IGNORE_INDEX, chunk_size: int | None = None):
         super().__init__(ignore_index, chunk_size)
         self.beta = check_beta(beta)
         self.gamma = check_nonnegative("gamma", gamma)
@@ -127,7 +127,7 @@ class FusedLinearORPOLoss(_HeadLoss):
     (extra: nll_loss, log_odds_ratio, log_odds_chosen).
     """
 
-    def __init__(self, beta: float = 0.1, ignore_index: int = -100, chunk_size: int | None = None):
+    def __init__(self, beta: float = 0.1, ignore_index: int = IGNORE_INDEX, chunk_size: int | None = None):
         super().__init__(ignore_index, chunk_size)
         self.beta = check_beta(beta)
 
@@ -147,7 +147,7 @@ class FusedLinearKTOLoss(_HeadLoss):
     """
 
     def __init__(self, beta: float = 0.1, desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
-                 loss_type: str = "kto", ignore_index: int = -100, chunk_size: int | None = None):
+                 loss_type: str = "kto", ignore_index: int = IGNORE_INDEX, chunk_size: int | None = None):
         super().__init__(ignore_index, chunk_size)
         self.loss_type = check_choice("loss_type", loss_type, KTO_LOSS_TYPES)
         self.beta = check_beta(beta)

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from fuseforge.ops._loss_args import IGNORE_INDEX
 from fuseforge.ops.targets import raise_pending_target_errors, scan_targets
 from fuseforge.ops.utils import (
     TRAINING_DTYPES,
@@ -59,7 +60,7 @@ N_STATS = 4
 class LossOptions:
     """The per-token loss definition shared by cross_entropy and fused_linear_cross_entropy."""
 
-    ignore_index: int = -100
+    ignore_index: int = IGNORE_INDEX
     label_smoothing: float = 0.0
     z_loss_scale: float = 0.0
     softcap: float | None = None
@@ -506,7 +507,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     z_loss_scale: float = 0.0,

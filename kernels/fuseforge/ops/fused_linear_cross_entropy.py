@@ -36,6 +36,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from fuseforge.ops._loss_args import IGNORE_INDEX, MIN_CHUNK_TOKENS, check_chunk_size
 from fuseforge.ops.cross_entropy import (
     LossOptions,
     ce_forward_stats,
@@ -69,14 +70,8 @@ def _round_rows(rows: int) -> int:
     return max(rows, 1)
 
 
-# ...but never fewer tokens than this per chunk: every chunk reads and writes all of grad_weight
-# ([V, H]) once, while its three matmuls scale with the chunk's tokens, so the share of time lost
-# to that traffic depends on the chunk length alone (~ element_size * FLOP/s / (3 * tokens * B/s):
-# about half of the matmul time at 256 tokens on an H200). Only vocabularies above 128k (bf16)
-# go past DEFAULT_CHUNK_BYTES because of it (256k: 125 MiB, as Liger-Kernel takes there).
-MIN_CHUNK_TOKENS = 256
-
-
+# The floor is MIN_CHUNK_TOKENS (ops/_loss_args.py says why): only vocabularies above 128k
+# (bf16) go past DEFAULT_CHUNK_BYTES because of it (256k: 125 MiB, as Liger-Kernel takes there).
 def default_chunk_tokens(n_vocab: int, element_size: int, hidden_bytes: int = 0) -> int:
     """Tokens per chunk: logits within DEFAULT_CHUNK_BYTES or the size of the hidden states
     (`hidden_bytes`), whichever is larger, but at least MIN_CHUNK_TOKENS.
@@ -252,17 +247,6 @@ def _autocast_inputs(hidden, weight, bias):
     return cast(hidden), cast(weight), cast(bias)
 
 
-def check_chunk_size(chunk_size) -> int | None:
-    """None (pick from the memory budget) or a positive int number of tokens per chunk."""
-    if chunk_size is None:
-        return None
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return chunk_size
-
-
 def _loss_scale(inv_count, reduction, num_items_in_batch, device) -> torch.Tensor:
     """The factor between the summed per-token loss and the returned loss, as 1 fp32 element on `device`."""
     if num_items_in_batch is not None:
@@ -292,7 +276,7 @@ def fused_linear_cross_entropy(
     weight: torch.Tensor,
     target: torch.Tensor,
     bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     z_loss_scale: float = 0.0,

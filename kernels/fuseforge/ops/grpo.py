@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fuseforge.ops._loss_args import IGNORE_INDEX
 from fuseforge.ops.preference import check_choice, check_nonnegative
 from fuseforge.ops.token_logprobs import (
     check_lm_head_inputs,
@@ -220,7 +221,7 @@ def fused_linear_grpo_loss(
     max_completion_length: int | None = None,
     num_items_in_batch: int | float | torch.Tensor | None = None,
     temperature: float = 1.0,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
     options: GRPOOptions | None = None,
 ) -> GRPOOutput:

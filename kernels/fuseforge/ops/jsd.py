@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from fuseforge.ops._loss_args import IGNORE_INDEX, MIN_CHUNK_TOKENS, check_chunk_size
 from fuseforge.ops.utils import (
     TRAINING_DTYPES,
     check_device_supported,
@@ -318,7 +319,7 @@ def jsd(
     teacher_logp: torch.Tensor,
     target: torch.Tensor | None = None,
     beta: float = 0.5,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     reduction: str = "batchmean",
 ) -> torch.Tensor:
     """Generalized JSD between student and teacher log-probabilities [..., V] (see the module docstring).
@@ -355,12 +356,9 @@ def jsd(
 
 # ------------------------------------------------------------------------- fused linear + jsd
 
-# Fewest tokens per chunk: below this the vocabulary matmuls stop filling the GPU.
-MIN_CHUNK_TOKENS = 256
-
-
 def default_chunk_size(n_tokens: int, hidden: int, vocab: int) -> int:
-    """Tokens per chunk: one [chunk, V] logits buffer about the size of the student hidden states."""
+    """Tokens per chunk: one [chunk, V] logits buffer about the size of the student hidden states,
+    but at least MIN_CHUNK_TOKENS (and at most n_tokens)."""
     by_memory = math.ceil(n_tokens * hidden / max(vocab, 1))
     chunk = max(MIN_CHUNK_TOKENS, 64 * math.ceil(by_memory / 64))
     return max(1, min(n_tokens, chunk))
@@ -429,7 +427,7 @@ def fused_linear_jsd(
     target: torch.Tensor | None = None,
     beta: float = 0.5,
     temperature: float = 1.0,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     *,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
@@ -474,8 +472,7 @@ def fused_linear_jsd(
     _check_target(target, student_hidden.shape[:-1], "student_hidden")
     beta = check_beta(beta)
     temperature = check_positive("temperature", temperature)
-    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be a positive int or None, got {chunk_size!r}")
+    chunk_size = check_chunk_size(chunk_size)
     check_same_device(
         student_hidden=student_hidden, student_weight=student_weight, teacher_hidden=teacher_hidden,
         teacher_weight=teacher_weight, target=target,

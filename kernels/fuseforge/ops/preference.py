@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from fuseforge.ops._loss_args import IGNORE_INDEX
 from fuseforge.ops.token_logprobs import (
     check_lm_head_inputs,
     check_reference_inputs,
@@ -263,7 +264,7 @@ def fused_linear_dpo_loss(
     beta: float = 0.1,
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
 ) -> PreferenceOutput:
     """DPO (Rafailov et al. 2023) and its sigmoid / hinge / ipo / robust variants, as TRL 1.16's DPOTrainer
@@ -310,7 +311,7 @@ def fused_linear_cpo_loss(
     cpo_alpha: float = 1.0,
     simpo_gamma: float = 0.5,
     nll_target: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
 ) -> PreferenceOutput:
     """CPO (Xu et al. 2024) as TRL 1.16's CPOTrainer: a reference-free preference loss on the policy's
@@ -360,7 +361,7 @@ def fused_linear_simpo_loss(
     label_smoothing: float = 0.0,
     cpo_alpha: float = 0.0,
     nll_target: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
 ) -> PreferenceOutput:
     """SimPO (Meng et al. 2024): -log sig(beta * (avg log pi_c - avg log pi_r) - gamma), no reference;
@@ -386,7 +387,7 @@ def fused_linear_orpo_loss(
     *,
     beta: float = 0.1,
     nll_target: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
 ) -> PreferenceOutput:
     """ORPO (Hong et al. 2024) as TRL 1.16's ORPOTrainer: NLL(chosen) - beta * mean log sig(log odds ratio)
@@ -452,7 +453,7 @@ def fused_linear_kto_loss(
     desirable_weight: float = 1.0,
     undesirable_weight: float = 1.0,
     loss_type: str = "kto",
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
 ) -> KTOOutput:
     """KTO (Ethayarajh et al. 2024) as TRL 1.16's KTOTrainer, on unpaired sequences hidden [N, T, H]
@@ -507,7 +508,7 @@ def fused_linear_kto_kl(
     ref_kl_hidden: torch.Tensor | None = None,
     ref_weight: torch.Tensor | None = None,
     ref_bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """KTO's KL estimate: mean over mismatched (prompt, completion) sequences of log pi - log ref (sums

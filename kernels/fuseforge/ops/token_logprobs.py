@@ -28,13 +28,13 @@ from typing import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
+from fuseforge.ops._loss_args import IGNORE_INDEX, check_chunk_size
 from fuseforge.ops.cross_entropy import LossOptions, ce_forward_stats, ce_write_grad, check_target
 from fuseforge.ops.fused_linear_cross_entropy import (
     _autocast_inputs,
     _Gradients,
     _round_rows,
     _Wanted,
-    check_chunk_size,
     default_chunk_tokens,
     fused_linear_cross_entropy,
 )
@@ -112,7 +112,7 @@ def fused_linear_token_logprobs(
     target: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     temperature: float = 1.0,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
@@ -255,7 +255,7 @@ def fused_linear_token_objective(
     token_loss: TokenLoss,
     bias: torch.Tensor | None = None,
     *,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     temperature: float = 1.0,
     chunk_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,7 +352,7 @@ def reference_token_logprobs(
     ref_weight: torch.Tensor,
     ref_bias: torch.Tensor | None = None,
     *,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     temperature: float = 1.0,
     chunk_size: int | None = None,
 ) -> torch.Tensor:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fuseforge.functional import cross_entropy, fused_linear_cross_entropy
+from fuseforge.ops._loss_args import IGNORE_INDEX
 
 
 LOSS_SPEC_ATTR = "_fuseforge_loss"  # where a patched causal LM keeps its LossSpec
@@ -126,7 +127,7 @@ def causal_lm_loss(
     labels: torch.Tensor | None,
     vocab_size: int,
     num_items_in_batch: torch.Tensor | int | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     shift_labels: torch.Tensor | None = None,
     **kwargs,
 ) -> torch.Tensor:
@@ -199,7 +200,7 @@ def _fused_forward(self, original, args: tuple, kwargs: dict):
         head=self.lm_head,
         labels=labels,
         shift_labels=shift_labels,
-        ignore_index=kwargs.get("ignore_index", -100),
+        ignore_index=kwargs.get("ignore_index", IGNORE_INDEX),
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         softcap=softcap,
         chunk_size=spec.chunk_size,

@@ -13,13 +13,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import numbers
 import types
 import warnings
 from dataclasses import dataclass, field
 
 from torch import nn
 
+from fuseforge.ops._loss_args import check_chunk_size
 from fuseforge.transformers import rope as rope_patch
 from fuseforge.transformers._swap import is_fused, restore, swap
 from fuseforge.transformers.families import FAMILIES, Family, family_for_model_type
@@ -62,23 +62,13 @@ def _check_flags(flags: dict) -> dict:
 
 def _check_loss_chunk_size(loss_chunk_size, fused_linear_cross_entropy: bool) -> int | None:
     """None (the op's default rule) or a positive int of tokens; only the fused loss head has chunks."""
-    if loss_chunk_size is None:
-        return None
-    if isinstance(loss_chunk_size, bool) or not isinstance(loss_chunk_size, numbers.Integral):
-        raise TypeError(
-            "loss_chunk_size must be a positive int (tokens per fused-loss chunk) or None, "
-            f"got {loss_chunk_size!r} ({type(loss_chunk_size).__name__})"
-        )
-    if loss_chunk_size < 1:
-        raise ValueError(
-            f"loss_chunk_size must be a positive int (tokens per fused-loss chunk) or None, got {loss_chunk_size}"
-        )
-    if not fused_linear_cross_entropy:
+    loss_chunk_size = check_chunk_size(loss_chunk_size, "loss_chunk_size")
+    if loss_chunk_size is not None and not fused_linear_cross_entropy:
         raise ValueError(
             f"loss_chunk_size={loss_chunk_size} sizes the chunks of the fused loss head, but "
             "fused_linear_cross_entropy=False turns that head off: drop one of the two"
         )
-    return int(loss_chunk_size)
+    return loss_chunk_size
 
 
 def _new_report(target: str, model_type: str | None, family: Family | None, options: dict) -> PatchReport:
@@ -144,7 +134,9 @@ def _patch_rope(model: nn.Module, family: Family | None, state: _State) -> None:
             continue
         state.swapped.append(attention)
         state.rope_users.append((attention, module_name))
-        report.add_patched("rope", f"{name} ({module_name.rsplit('.', 1)[-1]}.{rope_patch.GLOBAL_NAME})")
+        layout = rope_patch.layout_of(module_name)
+        kind = ", interleaved pairs" if layout == "interleaved" else ""
+        report.add_patched("rope", f"{name} ({module_name.rsplit('.', 1)[-1]}.{rope_patch.GLOBAL_NAME}{kind})")
 
 
 def _causal_lms(model: nn.Module, family: Family | None) -> list[nn.Module]:

@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from fuseforge.ops._loss_args import IGNORE_INDEX
 from fuseforge.ops.grpo import fused_linear_grpo_loss
 from fuseforge.ops.preference import fused_linear_dpo_loss
 from fuseforge.transformers.loss import LOSS_SPEC_ATTR
@@ -380,7 +381,7 @@ def _adapt_dpo(trainer, model: nn.Module, options: dict) -> str | None:
         model_kwargs = {k: v for k, v in inputs.items() if k not in _DPO_NON_MODEL_KEYS}
         model_kwargs["use_cache"] = False
         completion_mask = inputs["completion_mask"]
-        labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
+        labels = inputs["input_ids"].masked_fill(completion_mask == 0, IGNORE_INDEX)
         hidden, head = _last_hidden(_unwrap(trainer, model), model_kwargs)
         target = labels[:, 1:].to(hidden.device)
         if trainer.precompute_ref_logps:
@@ -498,7 +499,7 @@ def _adapt_grpo(trainer, model: nn.Module, options: dict) -> str | None:
         with accelerator.autocast():
             hidden, head = _last_hidden(_unwrap(trainer, model), kwargs)
         hidden = hidden[:, -n_keep:]
-        target = input_ids.masked_fill(attention_mask == 0, -100)[:, 1:][:, -n_keep:].to(hidden.device)
+        target = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)[:, 1:][:, -n_keep:].to(hidden.device)
         mask = completion_mask.to(hidden.device)
         advantages = inputs["advantages"]
         old = inputs.get("old_per_token_logps")

@@ -33,13 +33,14 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from fuseforge.ops._loss_args import IGNORE_INDEX  # re-exported: engine and tests import it from here
+
 log = logging.getLogger("fuseforge.training")
 
 BOS_ID = 256
 EOS_ID = 257
 PAD_ID = 258
 BYTE_VOCAB_SIZE = 259
-IGNORE_INDEX = -100
 
 SYNTHETIC = "bench:synthetic"
 BYTES = "bench:bytes"
