@@ -52,7 +52,7 @@ for step in "$@"; do
             tests/test_grpo_loss.py ;;
         tests-issue18) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_trainer_integration.py \
             tests/test_trainer_fused_losses.py ;;
-        tests-issue20) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_transformers_tiny_models.py \
+        tests-issue20) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_rope.py tests/test_transformers_tiny_models.py \
             tests/test_transformers_patching.py ;;
         tests-export) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_model_export.py ;;
         bench-preference) STEP_TIMEOUT=480 run_step "$step" python3 benchmarks/bench_preference.py --out "$OUT/pref.json" ;;
