@@ -176,6 +176,10 @@ def test_dpo_trainer_trains_on_fused_dpo_loss(loss_type, reference, tokenizer, t
         for key in numeric:
             if key in DPO_LOGITS_METRICS:
                 continue
+            if key == "rewards/accuracies" and abs(e["rewards/margins"]) < 1e-5:
+                # policy == reference (step 1 with precomputed reference log-probs): each pair's margin is
+                # rounding noise, so "chosen > rejected" is a coin toss that differs between devices
+                continue
             assert a[key] == pytest.approx(e[key], rel=RTOL, abs=1e-6), f"step {step + 1}: {key}"
     # The run is not trivial: the policy moved away from the reference.
     assert any(abs(log["rewards/margins"]) > 1e-3 for log in logs)
