@@ -28,7 +28,7 @@ from test_transformers_tiny_models import single_thread  # noqa: E402,F401 - aut
 import fuseforge.transformers as ff  # noqa: E402
 from fuseforge.transformers import trainers as trainers_mod  # noqa: E402
 from fuseforge.transformers.trainers import DPO_LOGITS_METRICS  # noqa: E402
-from fuseforge_flyte.data.tokenizer import load_tokenizer  # noqa: E402
+from trainer_support import tiny_llama, tokenizer  # noqa: E402,F401 - tokenizer is a fixture
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::FutureWarning",
@@ -45,30 +45,8 @@ CHOSEN = [" sat on the mat", " and more", " d e f", " three four", " blue", " an
 REJECTED = [" ran", " no", " x y", " five", " black and white", " sideways", " up", " neither of them"]
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("builtin:tiny-bpe", "")
-
-
-def tiny_llama(tokenizer):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return transformers.LlamaForCausalLM(config)
-
-
 def dpo_trainer(tokenizer, tmp_path, *, with_ref_model=True, **config):
-    model = tiny_llama(tokenizer)
+    model = tiny_llama(tokenizer, hidden_size=32)
     config = {"max_steps": 2, **config}
     args = trl.DPOConfig(
         output_dir=str(tmp_path / "out"),
@@ -249,7 +227,7 @@ def grpo_trainer(tokenizer, tmp_path, **config):
         **config,
     )
     return trl.GRPOTrainer(
-        model=tiny_llama(tokenizer),
+        model=tiny_llama(tokenizer, hidden_size=32),
         reward_funcs=longer_is_better,
         args=args,
         train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS[:4]}),

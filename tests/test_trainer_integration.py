@@ -30,7 +30,7 @@ from fuseforge.transformers import layers as layers_patch  # noqa: E402
 from fuseforge.transformers import loss as loss_patch  # noqa: E402
 from fuseforge.transformers import rope as rope_patch  # noqa: E402
 from fuseforge.transformers.trainers import SFT_LOGITS_METRICS  # noqa: E402
-from fuseforge_flyte.data.tokenizer import load_tokenizer  # noqa: E402
+from trainer_support import tiny_llama, tokenizer  # noqa: E402,F401 - tokenizer is a fixture
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::FutureWarning", "ignore::DeprecationWarning", "ignore:.*experimental.*:UserWarning"
@@ -39,28 +39,6 @@ pytestmark = pytest.mark.filterwarnings(
 USE_CPU = not torch.cuda.is_available()  # on the CPU the kernels run through Triton's interpreter
 LAYER_KERNELS = ("rms_norm", "swiglu", "rope")
 RTOL = 1e-4  # fp32 end to end; a few optimizer steps amplify the kernels' last-ulp differences
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer("builtin:tiny-bpe", "")
-
-
-def tiny_llama(tokenizer):
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    return transformers.LlamaForCausalLM(config)
 
 
 def common_args(tmp_path, **overrides) -> dict:
