@@ -18,6 +18,7 @@ from flytekit.core.context_manager import FlyteContextManager
 from flytekit.extend import TaskPlugins
 from flytekit.extras.accelerators import GPUAccelerator
 from flytekit.types.directory import FlyteDirectory
+from flytekit.types.file import FlyteFile
 from flytekitplugins.kfpytorch.task import Elastic, PytorchElasticFunctionTask
 from kubernetes.client import V1PodSpec, V1Toleration
 
@@ -51,8 +52,9 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
     checkpoint_input = "checkpoint_dir"
 
     def execute(self, **kwargs: Any) -> Any:
-        if isinstance(kwargs.get("data"), FlyteDirectory):  # fetched once per pod, before the workers start
-            kwargs["data"] = FlyteDirectory(path=kwargs["data"].download())
+        for name, value in kwargs.items():  # fetched once per pod, not once per worker racing on one path
+            if isinstance(value, (FlyteFile, FlyteDirectory)):
+                kwargs[name] = type(value)(path=value.download())
         if self.task_config.check_inputs is not None:
             self.task_config.check_inputs(**kwargs)
         # A fresh rendezvous store per restart round, or restarted workers can read the dead round's

@@ -51,8 +51,6 @@ from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence
 from flytekit import Deck, task
 from flytekit.extend import TaskPlugins
 from flytekit.image_spec import ImageSpec
-from flytekit.types.directory import FlyteDirectory
-from flytekit.types.file import FlyteFile
 
 from fuseforge_flyte.config import PlatformConfig, Toleration, config_from_dict, get_config
 from fuseforge_flyte.launch import (ElasticTraining, ElasticTrainingTask, training_task_options,
@@ -101,13 +99,9 @@ class UserTraining(ElasticTraining):
 
 
 class UserTrainingTask(ElasticTrainingTask):
-    """ElasticTrainingTask whose workers can import the module of a function defined outside a package,
-    and read file / directory inputs fetched once per pod (not once per worker, racing on one path)."""
+    """ElasticTrainingTask whose workers can import the module of a function defined outside a package."""
 
     def execute(self, **kwargs: Any) -> Any:
-        for name, value in kwargs.items():
-            if isinstance(value, (FlyteFile, FlyteDirectory)):
-                kwargs[name] = type(value)(path=value.download())
         with _importable(self.task_function.__module__):
             return super().execute(**kwargs)
 
