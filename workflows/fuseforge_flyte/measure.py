@@ -43,7 +43,8 @@ from typing import Any, Iterable, Iterator, List, Mapping, Optional
 import torch
 
 from fuseforge.ops._loss_args import IGNORE_INDEX  # labels that carry no loss (transformers' convention)
-from fuseforge_flyte.training.metrics import History, peak_memory_gib, reset_peak_memory, summarize
+from fuseforge_flyte.training.metrics import (History, device_name, final_loss, peak_memory_gib, perplexity,
+                                              reset_peak_memory, summarize)
 from fuseforge_flyte.training.spec import TrainMetrics
 
 try:  # the callback needs transformers; the meter does not
@@ -71,10 +72,6 @@ def _distributed() -> bool:
 def _world_size() -> int:
     """The process group's size: ranks that never joined one are not counted (nothing is summed over them)."""
     return torch.distributed.get_world_size() if _distributed() else 1
-
-
-def _device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def _synchronize(device: torch.device) -> None:
@@ -154,21 +151,20 @@ def _build(*, model: Any, history: History, tokens: List[float], samples: List[f
 
     summary = summarize(history, tokens_per_step=tokens_per_step, samples_per_step=samples_per_step,
                         flops_per_token=flops_per_token, peak_flops_total=peak_flops(device, dtype) * world_size)
-    finite = [x for x in loss_curve if math.isfinite(x)]
     patched = kernels_patched(model)
     return TrainMetrics(
         model=model_name or _model_name(_unwrap(model)), kernels=bool(patched), strategy=strategy,
-        device=_device_name(device), world_size=world_size, steps=steps, tokens_per_s=summary.tokens_per_s,
+        device=device_name(device), world_size=world_size, steps=steps, tokens_per_s=summary.tokens_per_s,
         samples_per_s=summary.samples_per_s, mfu=summary.mfu, peak_memory_gib=peak_memory,
         step_time_p50_s=summary.step_time_p50_s, step_time_p90_s=summary.step_time_p90_s,
-        step_time_p99_s=summary.step_time_p99_s, final_loss=finite[-1] if finite else float("nan"),
+        step_time_p99_s=summary.step_time_p99_s, final_loss=final_loss(history),
         loss_curve=list(loss_curve),
         tokens_per_s_curve=[n / t if t > 0 else 0.0 for n, t in zip(tokens, history.step_time)],
         memory_gib_curve=list(history.memory_gib), dtype=dtype, num_params=num_params,
         flops_per_token=flops_per_token, tokens_per_step=int(round(tokens_per_step)),
         step_time_curve=list(history.step_time), kernels_patched=patched,
         eval_loss=history.eval_loss[-1] if history.eval_loss else None,
-        eval_perplexity=_perplexity(history.eval_loss[-1]) if history.eval_loss else None,
+        eval_perplexity=perplexity(history.eval_loss[-1]) if history.eval_loss else None,
         eval_loss_curve=list(history.eval_loss), eval_steps=list(history.eval_steps),
         data_wait_fraction=summary.data_wait_fraction, loss_tokens_per_step=summary.loss_tokens_per_step,
         dataset=dataset,
@@ -177,12 +173,6 @@ def _build(*, model: Any, history: History, tokens: List[float], samples: List[f
 
 def _mean(values: List[float]) -> float:
     return sum(values) / len(values) if values else 0.0
-
-
-def _perplexity(loss: float) -> float:
-    if not math.isfinite(loss):
-        return float("nan")
-    return math.exp(loss) if loss < 700 else float("inf")  # exp overflows a float past ~709
 
 
 def _max_over_ranks(value: float, device: torch.device) -> float:

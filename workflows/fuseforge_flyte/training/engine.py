@@ -31,8 +31,8 @@ from fuseforge_flyte.training.data import (IGNORE_INDEX, DataPosition, Prefetche
                                            benchmark_dataset, collate, eval_batches, open_training_data,
                                            resolve_benchmark)
 from fuseforge_flyte.training.distributed import DistContext
-from fuseforge_flyte.training.metrics import (History, final_loss, peak_memory_gib, reset_peak_memory,
-                                              summarize)
+from fuseforge_flyte.training.metrics import (History, device_name, final_loss, peak_memory_gib, perplexity,
+                                              reset_peak_memory, summarize)
 from fuseforge_flyte.training.models import PRESETS, build_model, load_config, model_flops, peak_flops
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 from fuseforge_flyte.training.strategies import Strategy, make_strategy, strategy_class
@@ -304,8 +304,8 @@ class _Run:
         self.history.eval_steps.append(self.step)
         if ctx.is_main:
             log.info("eval after step %d: loss %.4f perplexity %.3f (%d tokens)", self.step, eval_loss,
-                     _perplexity(eval_loss), int(tokens))
-            self.tracker.log(self.step, {"eval/loss": eval_loss, "eval/perplexity": _perplexity(eval_loss)})
+                     perplexity(eval_loss), int(tokens))
+            self.tracker.log(self.step, {"eval/loss": eval_loss, "eval/perplexity": perplexity(eval_loss)})
 
     def _log(self, loss: float, elapsed: float) -> None:
         spec = self.spec
@@ -344,7 +344,7 @@ class _Run:
                             flops_per_token=self.flops.flops_per_token,
                             peak_flops_total=peak_flops(ctx.device, dtype) * ctx.world_size)
         return TrainMetrics(
-            model=spec.model, kernels=spec.kernels, strategy=spec.strategy, device=_device_name(ctx.device),
+            model=spec.model, kernels=spec.kernels, strategy=spec.strategy, device=device_name(ctx.device),
             world_size=ctx.world_size, steps=self.step, tokens_per_s=summary.tokens_per_s,
             samples_per_s=summary.samples_per_s, mfu=summary.mfu, peak_memory_gib=peak,
             step_time_p50_s=summary.step_time_p50_s, step_time_p90_s=summary.step_time_p90_s,
@@ -355,28 +355,16 @@ class _Run:
             flops_per_token=self.flops.flops_per_token, tokens_per_step=self.tokens_per_step,
             step_time_curve=list(h.step_time), kernels_patched=list(self.kernels_patched),
             eval_loss=h.eval_loss[-1] if h.eval_loss else None,
-            eval_perplexity=_perplexity(h.eval_loss[-1]) if h.eval_loss else None,
+            eval_perplexity=perplexity(h.eval_loss[-1]) if h.eval_loss else None,
             eval_loss_curve=list(h.eval_loss), eval_steps=list(h.eval_steps),
             data_wait_fraction=summary.data_wait_fraction, loss_tokens_per_step=summary.loss_tokens_per_step,
             dataset=self.data.manifest.source if self.data is not None else spec.dataset,
         )
 
 
-def _perplexity(loss: float) -> float:
-    if not math.isfinite(loss):
-        return float("nan")
-    return math.exp(loss) if loss < 700 else float("inf")  # exp overflows a float past ~709
-
-
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"
 
 
 def train(spec: TrainSpec) -> TrainMetrics:

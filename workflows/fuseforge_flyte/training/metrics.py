@@ -57,6 +57,18 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def device_name(device: torch.device) -> str:
+    """What the metrics call the device: the GPU's product name, else the device type."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def perplexity(loss: float) -> float:
+    """exp of a mean per-token loss (inf past what a float holds, NaN for a non-finite loss)."""
+    if not math.isfinite(loss):
+        return float("nan")
+    return math.exp(loss) if loss < 700 else float("inf")  # exp overflows a float past ~709
+
+
 def percentile(values: List[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else 0.0
 
