@@ -28,7 +28,7 @@ from test_transformers_tiny_models import single_thread  # noqa: E402,F401 - aut
 import fuseforge.transformers as ff  # noqa: E402
 from fuseforge.transformers import trainers as trainers_mod  # noqa: E402
 from fuseforge.transformers.trainers import DPO_LOGITS_METRICS  # noqa: E402
-from trainer_support import tiny_llama, tokenizer  # noqa: E402,F401 - tokenizer is a fixture
+from trainer_support import common_args, tiny_llama, tokenizer  # noqa: E402,F401 - tokenizer: a fixture
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::FutureWarning",
@@ -37,7 +37,6 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore::RuntimeWarning:triton.runtime.interpreter",
 )
 
-USE_CPU = not torch.cuda.is_available()  # on the CPU the kernels run through Triton's interpreter
 RTOL = 1e-4
 CHUNK = 8  # loss_chunk_size: tokens per chunk of logits in the fused loss
 PROMPTS = ["the cat", "hello world", "a b c", "one two", "red green", "up down", "left", "tea or coffee"]
@@ -47,23 +46,9 @@ REJECTED = [" ran", " no", " x y", " five", " black and white", " sideways", " u
 
 def dpo_trainer(tokenizer, tmp_path, *, with_ref_model=True, **config):
     model = tiny_llama(tokenizer, hidden_size=32)
-    config = {"max_steps": 2, **config}
-    args = trl.DPOConfig(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        learning_rate=1e-2,  # large enough that the policy leaves the reference: non-trivial rewards
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=USE_CPU,
-        bf16=False,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        max_length=32,
-        **config,
-    )
+    # learning rate large enough that the policy leaves the reference: non-trivial rewards
+    args = trl.DPOConfig(**common_args(tmp_path, gradient_accumulation_steps=2, learning_rate=1e-2, max_length=32,
+                                       **config))
     data = datasets.Dataset.from_dict({"prompt": PROMPTS, "chosen": CHOSEN, "rejected": REJECTED})
     ref = copy.deepcopy(model) if with_ref_model else None
     return trl.DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=data, processing_class=tokenizer)
@@ -208,24 +193,8 @@ def grpo_trainer(tokenizer, tmp_path, **config):
 
     # Two policy updates per generation with a tight clip range: old log-probs, ratios != 1, clipping.
     config = {"max_steps": 2, "loss_type": "dapo", "num_iterations": 2, "epsilon": 0.002, **config}
-    args = trl.GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=USE_CPU,
-        bf16=False,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-        num_generations=2,
-        max_completion_length=4,
-        beta=0.0,
-        **config,
-    )
+    args = trl.GRPOConfig(**common_args(tmp_path, gradient_accumulation_steps=2, learning_rate=1e-2, num_generations=2,
+                                        max_completion_length=4, beta=0.0, **config))
     return trl.GRPOTrainer(
         model=tiny_llama(tokenizer, hidden_size=32),
         reward_funcs=longer_is_better,

@@ -30,34 +30,14 @@ from fuseforge.transformers import layers as layers_patch  # noqa: E402
 from fuseforge.transformers import loss as loss_patch  # noqa: E402
 from fuseforge.transformers import rope as rope_patch  # noqa: E402
 from fuseforge.transformers.trainers import SFT_LOGITS_METRICS  # noqa: E402
-from trainer_support import tiny_llama, tokenizer  # noqa: E402,F401 - tokenizer is a fixture
+from trainer_support import USE_CPU, common_args, tiny_llama, tokenizer  # noqa: E402,F401 - tokenizer: a fixture
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::FutureWarning", "ignore::DeprecationWarning", "ignore:.*experimental.*:UserWarning"
 )
 
-USE_CPU = not torch.cuda.is_available()  # on the CPU the kernels run through Triton's interpreter
 LAYER_KERNELS = ("rms_norm", "swiglu", "rope")
 RTOL = 1e-4  # fp32 end to end; a few optimizer steps amplify the kernels' last-ulp differences
-
-
-def common_args(tmp_path, **overrides) -> dict:
-    args = dict(
-        output_dir=str(tmp_path / "out"),
-        max_steps=2,
-        per_device_train_batch_size=2,
-        per_device_eval_batch_size=2,
-        learning_rate=1e-3,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=USE_CPU,
-        bf16=False,
-        seed=0,
-        data_seed=0,
-        dataloader_num_workers=0,
-    )
-    return {**args, **overrides}
 
 
 @pytest.fixture
