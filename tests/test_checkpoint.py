@@ -610,7 +610,7 @@ def test_default_checkpoint_location_survives_preemption_across_attempts(referen
     attempt 2 restores it (signed bytes only), hands it on at once, and resumes with nothing redone."""
     from flytekit.core.checkpointer import SyncCheckpoint
 
-    from fuseforge_flyte.flyte_checkpoint import MIRROR_ENV, restore_previous
+    from fuseforge_flyte.flyte_checkpoint import MIRROR_ENV, restore_previous, worker_hook
     from fuseforge_flyte.training.checkpoint import REQUIRE_KEY_ENV
     from fuseforge_flyte.training.preemption import SIGNAL_ENV, Preempted
 
@@ -622,7 +622,7 @@ def test_default_checkpoint_location_survives_preemption_across_attempts(referen
     monkeypatch.setenv(MIRROR_ENV, "1")
     monkeypatch.setenv(SIGNAL_ENV, "0:5")
     with _flyte_attempt(first), pytest.raises(Preempted):
-        train(_spec(local))
+        train(_spec(local), after_checkpoint=worker_hook())
     monkeypatch.delenv(SIGNAL_ENV)
     assert "step_00000005" in os.listdir(tmp_path / "flyte" / "attempt-1")  # uploaded within the grace period
 
@@ -634,7 +634,7 @@ def test_default_checkpoint_location_survives_preemption_across_attempts(referen
     assert "step_00000005" in os.listdir(tmp_path / "flyte" / "attempt-2")  # handed on before any new save
     monkeypatch.setenv(REQUIRE_KEY_ENV, "1")
     with _flyte_attempt(second):
-        resumed = train(_spec(local))
+        resumed = train(_spec(local), after_checkpoint=worker_hook())
     assert resumed.resumed_from_step == 5 and resumed.steps_redone == 0
     assert resumed.loss_curve == reference.loss_curve
     assert f"step_{STEPS:08d}" in os.listdir(tmp_path / "flyte" / "attempt-2")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 log = logging.getLogger("fuseforge.training")
 
@@ -54,8 +54,9 @@ def restore_previous(checkpoint, *, nnodes: int, launch_env: Dict[str, str]) -> 
     return local
 
 
-def mirror_enabled() -> bool:
-    return os.environ.get(MIRROR_ENV) == "1"
+def worker_hook() -> Optional[Callable[[str], None]]:
+    """In a worker: `mirror` when the launcher set the checkpoint directory up for it, else None."""
+    return mirror if os.environ.get(MIRROR_ENV) == "1" else None
 
 
 def mirror(directory: str) -> None:

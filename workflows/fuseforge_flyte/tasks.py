@@ -128,11 +128,13 @@ def run_training(spec: TrainSpec) -> TrainOutput:
 
     from flytekit.exceptions.user import FlyteRecoverableException
 
+    from fuseforge_flyte import flyte_checkpoint
     from fuseforge_flyte.training import permanent
     from fuseforge_flyte.training.preemption import Preempted
 
     try:
-        metrics = permanent.run_worker(lambda: train(spec), int(os.environ.get("RANK", "0")))
+        metrics = permanent.run_worker(lambda: train(spec, after_checkpoint=flyte_checkpoint.worker_hook()),
+                                       int(os.environ.get("RANK", "0")))
     except Preempted as err:  # SIGTERM: checkpointed; Flyte retries the task and it resumes there
         raise FlyteRecoverableException(str(err)) from err
     if isinstance(metrics, permanent.FailedPermanently):  # an earlier round failed for good: end the launch

@@ -18,7 +18,7 @@ import gc
 import logging
 import math
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -110,7 +110,8 @@ def _use_special_tokens_of(manifest, model: torch.nn.Module) -> None:
 class _Run:
     """State of one training session on one rank."""
 
-    def __init__(self, spec: TrainSpec, ctx: DistContext, tracker: Optional[tracking.Tracker] = None):
+    def __init__(self, spec: TrainSpec, ctx: DistContext, tracker: Optional[tracking.Tracker] = None,
+                 after_checkpoint: Optional[Callable[[str], None]] = None):
         self.spec = spec
         self.ctx = ctx
         self.tracker = tracker or tracking.Tracker()
@@ -145,13 +146,10 @@ class _Run:
         if spec.checkpoint_location:
             settings = run_settings(spec, self.data.manifest if self.data is not None else None,
                                     samples_per_step=self.samples_per_step, dtype=self.strategy.dtype)
-            from fuseforge_flyte import flyte_checkpoint
-
             self.ckpt = CheckpointManager(spec.checkpoint_location, ctx, self.strategy, keep_last=spec.keep_last,
                                           fingerprint=fingerprint, model_config=model.config.to_dict(),
                                           settings=settings, allow_changes=spec.resume_allow_changes,
-                                          after_save=flyte_checkpoint.mirror if flyte_checkpoint.mirror_enabled()
-                                          else None)
+                                          after_save=after_checkpoint)
 
     def _batches(self, position: DataPosition) -> ShardedBatches:
         spec, ctx = self.spec, self.ctx
@@ -367,8 +365,11 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def train(spec: TrainSpec) -> TrainMetrics:
+def train(spec: TrainSpec, *, after_checkpoint: Optional[Callable[[str], None]] = None) -> TrainMetrics:
     """Run `spec` in this worker process and return the metrics (identical on every rank).
+
+    after_checkpoint: called on rank 0 with the checkpoint directory after each completed save (the Flyte
+    task uploads it to its own checkpoint this way; see fuseforge_flyte.flyte_checkpoint).
 
     On SIGTERM (an eviction) every rank finishes the step, checkpoints it and raises
     `preemption.Preempted` (step, checkpoint, metrics): a retriable failure whose restart redoes nothing.
@@ -381,7 +382,7 @@ def train(spec: TrainSpec) -> TrainMetrics:
         if ctx.device.type == "cpu" and spec.dtype != "fp32" and ctx.is_main:
             log.info("CPU run: training in fp32 (dtype=%r applies on GPU)", spec.dtype)
         tracker = tracking.start(spec, ctx.is_main)  # [tracking] of platform.toml; a missing library fails here
-        run = _Run(spec, ctx, tracker)
+        run = _Run(spec, ctx, tracker, after_checkpoint)
         with preemption.sigterm_handler():  # SIGTERM: finish the step, checkpoint, raise Preempted
             steps_redone = run.resume()
             try:
