@@ -1,4 +1,5 @@
-"""Flyte workflows: `train` (one run) and `compare` (the same run with and without the kernels).
+"""Flyte workflows: `train` (one run), `compare` (the same run with and without the kernels), `dpo`
+(preference optimisation against a reference scored once) and `demo`.
 
 Both prepare the data first on a CPU pod (cached: a second run with the same dataset contents,
 tokenizer, format and seq_len reuses the shards), then train on the GPU pods.
@@ -18,6 +19,9 @@ from flytekit.types.directory import FlyteDirectory
 
 from fuseforge_flyte.comparison import Comparison
 from fuseforge_flyte.inputs import Dtype, summary_only, training_inputs
+from fuseforge_flyte.posttrain.dpo import DPOSettings
+from fuseforge_flyte.posttrain.tasks import (DPOLossType, DPOOutput, dpo_train, prepare_preference_data,
+                                             reference_logps)
 from fuseforge_flyte.training.spec import CHECKPOINT_OFF, TrainMetrics
 from fuseforge_flyte.tasks import (DEFAULTS, DataSource, TrainOutput, fingerprint_data, prepare_data,
                                    sample_model, summarize_comparison, train_model)
@@ -78,7 +82,56 @@ def compare(dataset: DataSource = DEFAULTS.dataset, **settings: Any) -> Comparis
     return summarize_comparison(with_kernels=fused.metrics, without_kernels=baseline.metrics)
 
 
-summary_only(train, compare)
+DPO_DEFAULTS = DPOSettings(model="")
+
+
+@workflow
+def dpo(model: str, dataset: DataSource = "builtin:preferences", reference_model: str = "", tokenizer: str = "",
+        dataset_config: str = "", dataset_split: str = "train", eval_fraction: float = 0.0,
+        beta: float = DPO_DEFAULTS.beta, loss_type: DPOLossType = DPOLossType(DPO_DEFAULTS.loss_type),
+        label_smoothing: float = DPO_DEFAULTS.label_smoothing, max_length: int = DPO_DEFAULTS.max_length,
+        steps: int = DPO_DEFAULTS.steps, batch_size: int = DPO_DEFAULTS.batch_size,
+        grad_accum: int = DPO_DEFAULTS.grad_accum, lr: float = DPO_DEFAULTS.lr,
+        warmup_steps: int = DPO_DEFAULTS.warmup_steps, eval_every: int = DPO_DEFAULTS.eval_every, seed: int = 0,
+        kernels: bool = True, loss_chunk_size: int = 0) -> DPOOutput:
+    """Direct preference optimisation of a causal LM on prompt/chosen/rejected pairs (TRL's DPOTrainer on
+    fuseforge's fused DPO loss). The reference log-probs come from a cached task run once per dataset and
+    reference model; returns the training and preference metrics and the trained model.
+
+    :param model: the policy's starting model: an HF id, a model directory, or a preset such as tiny-llama
+    :param dataset: pairs with chosen, rejected and optionally prompt columns (strings or chat messages): a hub
+        id, a .jsonl/.json/.parquet/.csv file or folder, or builtin:preferences
+    :param reference_model: the frozen reference ("" = the policy's starting model)
+    :param tokenizer: "" = the model's own (a preset's is builtin:tiny-bpe); its chat template is applied
+    :param dataset_config: the hub dataset's configuration name
+    :param dataset_split: the split to read (slicing syntax allowed, e.g. train[:2000])
+    :param eval_fraction: share of the pairs held out for evaluation (0 = none)
+    :param beta: strength of the KL penalty toward the reference (> 0)
+    :param loss_type: TRL's DPO loss; sigmoid, hinge, ipo and robust are fused
+    :param label_smoothing: the robust loss's assumed label noise, in [0, 0.5)
+    :param max_length: prompt + completion tokens per sequence; longer ones are cut at the end
+    :param steps: optimizer steps
+    :param batch_size: pairs per worker per micro-batch
+    :param grad_accum: micro-batches per optimizer step
+    :param lr: peak learning rate (cosine schedule after warmup_steps)
+    :param warmup_steps: linear warmup steps
+    :param eval_every: evaluate every this many steps (0 = only at the end; needs eval_fraction > 0)
+    :param seed: data order and the initialisation of presets (policy and reference alike)
+    :param kernels: fuseforge's kernels and fused DPO loss on
+    :param loss_chunk_size: tokens per chunk of the fused loss (0 = fuseforge's default)
+    """
+    fingerprint = fingerprint_data(dataset=dataset, eval_dataset="", tokenizer="", model="")
+    pairs = prepare_preference_data(dataset=dataset, fingerprint=fingerprint, dataset_config=dataset_config,
+                                    dataset_split=dataset_split, eval_fraction=eval_fraction, seed=seed)
+    scored = reference_logps(data=pairs, model=model, reference_model=reference_model, tokenizer=tokenizer,
+                             max_length=max_length, batch_size=batch_size, seed=seed, kernels=kernels)
+    return dpo_train(data=scored, model=model, reference_model=reference_model, tokenizer=tokenizer, beta=beta,
+                     loss_type=loss_type, label_smoothing=label_smoothing, max_length=max_length, steps=steps,
+                     batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps,
+                     eval_every=eval_every, seed=seed, kernels=kernels, loss_chunk_size=loss_chunk_size)
+
+
+summary_only(train, compare, dpo)
 
 
 class DemoOutput(NamedTuple):

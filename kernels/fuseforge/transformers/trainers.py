@@ -29,7 +29,8 @@ class hierarchy (so subclasses inherit their parent's entry):
   evaluation keeps TRL's path and logs them). Anything else falls back to TRL's own loss with
   one warning naming the reason (`_dpo_unsupported` holds the checks): another or several loss
   types, f-divergences, `ld_alpha`, WPO weighting, a MoE router loss, padding-free batches,
-  vision inputs, PEFT, Liger, context / sequence parallelism, more than one process, a model
+  vision inputs, PEFT, Liger, context / sequence parallelism, FSDP or DeepSpeed (DDP runs
+  fused: the loss is computed inside the DDP wrapper's forward, see `_forward_as`), a model
   that scales or caps its logits, a subclass overriding `compute_loss` / `_compute_loss`.
   `fused_linear_cross_entropy=False` keeps TRL's loss without a warning.
 - TRL's `GRPOTrainer` likewise trains on fuseforge's `fused_linear_grpo_loss` (loss types grpo,
@@ -40,7 +41,7 @@ class hierarchy (so subclasses inherit their parent's entry):
   log-probs between updates stay TRL's. Falls back with one warning for other loss types,
   `off_policy_mask_threshold`, `top_entropy_quantile < 1`, an entropy bonus, vLLM, vision
   inputs, `cast_lm_head_to_fp32`, PEFT references and the settings listed for DPO (MoE,
-  Liger, parallelism, several processes, logit scaling, overrides); batches with a `tool_mask`
+  Liger, parallelism, FSDP / DeepSpeed, logit scaling, overrides); batches with a `tool_mask`
   take TRL's loss (one warning).
 - TRL's `KTOTrainer`, `RLOOTrainer`, `GKDTrainer`, `DistillationTrainer` and
   `RewardTrainer` compute their loss themselves (from per-token log-probabilities or
@@ -310,10 +311,8 @@ def _common_unsupported(trainer, model: nn.Module, known: str) -> str | None:
     config = getattr(accelerator, "parallelism_config", None)
     if config is not None and (getattr(config, "sp_enabled", False) or getattr(config, "cp_enabled", False)):
         return "context / sequence parallelism shards the sequences before the loss"
-    if getattr(accelerator, "num_processes", 1) != 1 or getattr(trainer, "is_deepspeed_enabled", False) or getattr(
-        trainer, "is_fsdp_enabled", False
-    ):
-        return "distributed training (DDP / FSDP / DeepSpeed) wraps the model, whose backbone the fused loss calls"
+    if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
+        return "FSDP / DeepSpeed shard the LM head weight, which the fused loss reads whole"
     if "peft" in sys.modules and any(type(m).__module__.startswith("peft.") for m in (model, trainer.model)):
         return "a PEFT model (its reference is the model with the adapter disabled)"
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -333,6 +332,28 @@ def _last_hidden(model: nn.Module, kwargs: dict) -> tuple[torch.Tensor, nn.Modul
     base, head = _backbone(model)
     hidden = base(**kwargs).last_hidden_state[:, :-1]
     return hidden.to(head.weight.device), head
+
+
+@contextlib.contextmanager
+def _forward_as(module: nn.Module, fn):
+    """`module`'s forward is `fn` for the calls made inside.
+
+    The fused trainer losses call the trainer's model (DDP's wrapper included: its forward prepares the
+    gradient all-reduce, which a direct call of the backbone would skip, leaving the ranks' replicas to
+    drift apart), while what runs inside is the backbone and the fused loss on the module's parameters.
+    """
+    previous = module.__dict__.get("forward", _MISSING)
+    module.forward = fn
+    try:
+        yield
+    finally:
+        if previous is _MISSING:
+            del module.forward
+        else:
+            module.forward = previous
+
+
+_MISSING = object()
 
 
 def _no_checkpointing(trainer):
@@ -382,26 +403,32 @@ def _adapt_dpo(trainer, model: nn.Module, options: dict) -> str | None:
         model_kwargs["use_cache"] = False
         completion_mask = inputs["completion_mask"]
         labels = inputs["input_ids"].masked_fill(completion_mask == 0, IGNORE_INDEX)
-        hidden, head = _last_hidden(_unwrap(trainer, model), model_kwargs)
-        target = labels[:, 1:].to(hidden.device)
-        if trainer.precompute_ref_logps:
-            ref = {"ref_logps": torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).to(hidden.device)}
-        else:
-            with torch.no_grad(), _no_checkpointing(trainer):
-                ref_hidden, ref_head = _last_hidden(_unwrap(trainer, trainer.ref_model), model_kwargs)
-            ref = {"ref_hidden": ref_hidden.to(hidden.device), "ref_weight": ref_head.weight, "ref_bias": ref_head.bias}
-        out = fused_linear_dpo_loss(
-            hidden, head.weight, target, head.bias, **ref, beta=trainer.beta, loss_type=loss_type,
-            label_smoothing=label_smoothing, chunk_size=chunk_size,
-        )
+        def fused_step(**kwargs):
+            hidden, head = _last_hidden(_unwrap(trainer, model), kwargs)
+            target = labels[:, 1:].to(hidden.device)
+            if trainer.precompute_ref_logps:
+                ref = {"ref_logps": torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).to(
+                    hidden.device)}
+            else:
+                with torch.no_grad(), _no_checkpointing(trainer):
+                    ref_hidden, ref_head = _last_hidden(_unwrap(trainer, trainer.ref_model), kwargs)
+                ref = {"ref_hidden": ref_hidden.to(hidden.device), "ref_weight": ref_head.weight,
+                       "ref_bias": ref_head.bias}
+            out = fused_linear_dpo_loss(
+                hidden, head.weight, target, head.bias, **ref, beta=trainer.beta, loss_type=loss_type,
+                label_smoothing=label_smoothing, chunk_size=chunk_size,
+            )
+            return out, _mean_logits(hidden, head)
+
+        with _forward_as(_unwrap(trainer, model), fused_step):
+            out, mean_logits = model(**model_kwargs)
         loss = out.loss * loss_weight
 
         metrics = trainer._metrics[mode]
         num_tokens = accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
         trainer._total_train_tokens += num_tokens // getattr(trainer, "_tp_size", 1)
         metrics["num_tokens"] = [trainer._total_train_tokens]
-        mask = completion_mask[..., 1:].to(hidden.device).bool()
-        mean_logits = _mean_logits(hidden, head)
+        mask = completion_mask[..., 1:].to(mean_logits.device).bool()
         n_pairs = mask.shape[0] // 2
         for key, rows in (("logits/chosen", slice(0, n_pairs)), ("logits/rejected", slice(n_pairs, None))):
             total = accelerator.gather_for_metrics(mean_logits[rows][mask[rows]].sum()).sum().item()
@@ -496,11 +523,6 @@ def _adapt_grpo(trainer, model: nn.Module, options: dict) -> str | None:
         for key in ("token_type_ids", "mm_token_type_ids"):
             if inputs.get(key) is not None:
                 kwargs[key] = inputs[key]
-        with accelerator.autocast():
-            hidden, head = _last_hidden(_unwrap(trainer, model), kwargs)
-        hidden = hidden[:, -n_keep:]
-        target = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)[:, 1:][:, -n_keep:].to(hidden.device)
-        mask = completion_mask.to(hidden.device)
         advantages = inputs["advantages"]
         old = inputs.get("old_per_token_logps")
         loss_type = trainer.loss_type
@@ -511,15 +533,26 @@ def _adapt_grpo(trainer, model: nn.Module, options: dict) -> str | None:
             items = inputs["num_items_in_batch"].clamp(min=1.0) / accelerator.num_processes
             steps = trainer.current_gradient_accumulation_steps
             extra["num_items_in_batch"] = items * steps / args.steps_per_generation
-        with accelerator.autocast():
-            out = fused_linear_grpo_loss(
-                hidden, head.weight, target, advantages, head.bias, old_logps=old, loss_type=loss_type,
-                beta=trainer.beta, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
-                delta=args.delta, importance_sampling_level=trainer.importance_sampling_level,
-                use_bias_correction_kl=args.use_bias_correction_kl,
-                max_completion_length=trainer.max_completion_length, temperature=trainer.temperature,
-                chunk_size=chunk_size, **extra,
-            )
+
+        def fused_step(**kwargs):
+            with accelerator.autocast():
+                hidden, head = _last_hidden(_unwrap(trainer, model), kwargs)
+                hidden = hidden[:, -n_keep:]
+                target = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)[:, 1:][:, -n_keep:].to(
+                    hidden.device)
+                out = fused_linear_grpo_loss(
+                    hidden, head.weight, target, advantages, head.bias, old_logps=old, loss_type=loss_type,
+                    beta=trainer.beta, epsilon_low=trainer.epsilon_low, epsilon_high=trainer.epsilon_high,
+                    delta=args.delta, importance_sampling_level=trainer.importance_sampling_level,
+                    use_bias_correction_kl=args.use_bias_correction_kl,
+                    max_completion_length=trainer.max_completion_length, temperature=trainer.temperature,
+                    chunk_size=chunk_size, **extra,
+                )
+            return out, hidden.device
+
+        with _forward_as(_unwrap(trainer, model), fused_step):
+            out, device = model(**kwargs)
+        mask = completion_mask.to(device)
         loss = out.loss
         if loss_type != "dapo":
             loss = loss / trainer.current_gradient_accumulation_steps

@@ -1,10 +1,12 @@
-"""Regenerate the shipped assets: `tiny_chat.jsonl` and the `tiny-bpe` tokenizer.
+"""Regenerate the shipped assets: `tiny_chat.jsonl`, `tiny_preferences.jsonl` and the `tiny-bpe` tokenizer.
 
     python -m fuseforge_flyte.data.build_assets [--out DIR]
 
 Deterministic (fixed seed, single-threaded BPE training), so the shipped files are exactly this
 script's output. The chat set is template-generated (arithmetic, capitals, word reversal, counting,
-unit conversions, greetings) so that a tiny model can visibly learn its patterns.
+unit conversions, greetings) so that a tiny model can visibly learn its patterns. The preference set
+pairs each question with its answer (chosen) and the answer to another question of the same kind
+(rejected), so a preference-trained tiny model visibly learns to tell them apart.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import os
 import random
 from typing import Dict, List
 
-from fuseforge_flyte.data.builtin import CHAT_FILE, CORPUS_FILE, TOKENIZER_DIR, assets_dir
+from fuseforge_flyte.data.builtin import CHAT_FILE, CORPUS_FILE, PREFERENCES_FILE, TOKENIZER_DIR, assets_dir
 
 BOS, END, PAD = "<|bos|>", "<|end|>", "<|pad|>"
 ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>"]
 SPECIAL_TOKENS = [BOS, END, PAD] + ROLE_TOKENS
 VOCAB_SIZE = 1024
 NUM_CONVERSATIONS = 480
+NUM_PREFERENCES = 320
 SEED = 20261203
 
 # Assistant content and the end token after it are inside {% generation %}, so
@@ -135,9 +138,32 @@ def make_chat(n: int = NUM_CONVERSATIONS, seed: int = SEED) -> List[List[Dict[st
 
 
 def write_chat(path: str, conversations: List[List[Dict[str, str]]]) -> None:
+    write_jsonl(path, [{"messages": messages} for messages in conversations])
+
+
+def write_jsonl(path: str, rows: List[dict]) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as handle:
-        for messages in conversations:
-            handle.write(json.dumps({"messages": messages}, ensure_ascii=False) + "\n")
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def make_preference(rng: random.Random) -> Dict[str, List[Dict[str, str]]]:
+    """A conversational prompt / chosen / rejected row: the rejected answer answers another question of the
+    same kind (a wrong capital, sum, count...), so only the question tells the two apart."""
+    task = rng.choice(TASKS)
+    question, answer = task(rng)
+    other_question, other = task(rng)
+    while other == answer or other_question == question:
+        other_question, other = task(rng)
+    prompt = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] if rng.random() < 0.3 else []
+    prompt.append({"role": "user", "content": question})
+    return {"prompt": prompt, "chosen": [{"role": "assistant", "content": answer}],
+            "rejected": [{"role": "assistant", "content": other}]}
+
+
+def make_preferences(n: int = NUM_PREFERENCES, seed: int = SEED + 1) -> List[Dict[str, List[Dict[str, str]]]]:
+    rng = random.Random(seed)
+    return [make_preference(rng) for _ in range(n)]
 
 
 def train_tokenizer(texts: List[str], out_dir: str) -> None:
@@ -165,6 +191,7 @@ def train_tokenizer(texts: List[str], out_dir: str) -> None:
 def build(out: str) -> None:
     conversations = make_chat()
     write_chat(os.path.join(out, CHAT_FILE), conversations)
+    write_jsonl(os.path.join(out, PREFERENCES_FILE), make_preferences())
     with open(os.path.join(assets_dir(), CORPUS_FILE), encoding="utf-8") as handle:
         texts = [block.strip() for block in handle.read().split("\n\n") if block.strip()]
     texts += [m["content"] for messages in conversations for m in messages]

@@ -1,4 +1,5 @@
-"""Names and paths of what the package ships: the tiny chat set, the tiny corpus, the tiny BPE tokenizer.
+"""Names and paths of what the package ships: the tiny chat and preference sets, the tiny corpus, the tiny
+BPE tokenizer.
 
 They exist so that a run works offline and a tiny model can visibly learn something; the files
 are written by `python -m fuseforge_flyte.data.build_assets`.
@@ -11,16 +12,19 @@ from importlib import resources
 
 BUILTIN_CHAT = "builtin:chat"
 BUILTIN_TEXT = "builtin:text"
+BUILTIN_PREFERENCES = "builtin:preferences"
 BUILTIN_TOKENIZER = "builtin:tiny-bpe"
 
 CHAT_FILE = "tiny_chat.jsonl"
 CORPUS_FILE = "tiny_corpus.txt"
+PREFERENCES_FILE = "tiny_preferences.jsonl"
 TOKENIZER_DIR = "tiny-bpe"
 
 # builtin dataset name -> (file under assets/, data format)
 BUILTIN_DATASETS = {
     BUILTIN_CHAT: (CHAT_FILE, "messages"),
     BUILTIN_TEXT: (CORPUS_FILE, "text"),
+    BUILTIN_PREFERENCES: (PREFERENCES_FILE, "preferences"),
 }
 
 

@@ -1,0 +1,152 @@
+"""The platform's DPO path: preference data checks, the reference scored once, the policy on the fused loss.
+
+Offline: the shipped builtin:preferences pairs (or small files written here), the tiny-llama preset and the
+shipped tiny BPE tokenizer (its chat template is applied by TRL's tokenization in the reference step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+
+from fuseforge_flyte.posttrain.dpo import (DPOSettings, _fused, check_scored, dpo_trainer,  # noqa: E402
+                                          score_reference, train_dpo)
+from fuseforge_flyte.posttrain.preferences import load_prepared, prepare_preferences  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _write_jsonl(path, rows):
+    with open(path, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def _settings(**overrides) -> DPOSettings:
+    values = dict(model="tiny-llama", steps=3, batch_size=4, max_length=48, lr=1e-3, seed=0)
+    return DPOSettings(**{**values, **overrides})
+
+
+@pytest.fixture(scope="module")
+def scored(tmp_path_factory):
+    """The first 48 builtin pairs (8 held out), prepared and scored by the reference (= the policy's start)."""
+    root = tmp_path_factory.mktemp("dpo")
+    prepared, out = str(root / "prepared"), str(root / "scored")
+    counts = prepare_preferences("builtin:preferences", prepared, split="train[:48]", eval_fraction=1 / 6, seed=0)
+    summary = score_reference(_settings(), prepared, out)
+    return counts, summary, out
+
+
+# --- data ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([{"prompt": "Q", "chosen": "A"}], r"no column 'rejected' needed for preference data"),
+        ([{"prompt": "Q", "chosen": "A", "rejected": 3}], r"row 0, column 'rejected': expected a non-empty string"),
+        ([{"prompt": "Q", "chosen": "A", "rejected": "B"}, {"prompt": "Q", "chosen": "A", "rejected": "A"}],
+         r"row 1: chosen and rejected are identical"),
+        ([{"prompt": "Q", "chosen": [{"role": "assistant", "content": "A"}], "rejected": "B"}],
+         r"row 0: columns mix strings and message lists"),
+    ],
+)
+def test_bad_preference_rows_are_named(tmp_path, rows, message):
+    source = _write_jsonl(tmp_path / "pairs.jsonl", rows)
+    with pytest.raises(ValueError, match=message):
+        prepare_preferences(source, str(tmp_path / "out"))
+
+
+def test_preferences_keep_only_pair_columns_and_hold_out_eval(tmp_path):
+    rows = [{"prompt": f"Q{i}", "chosen": f"yes {i}", "rejected": f"no {i}", "score": i} for i in range(20)]
+    counts = prepare_preferences(_write_jsonl(tmp_path / "pairs.jsonl", rows), str(tmp_path / "out"),
+                                 eval_fraction=0.25, seed=1)
+    data = load_prepared(str(tmp_path / "out"))
+    assert counts == {"train": 15, "eval": 5}
+    assert data["train"].column_names == ["prompt", "chosen", "rejected"]
+    assert sorted(list(data["train"]["prompt"]) + list(data["eval"]["prompt"])) == sorted(r["prompt"] for r in rows)
+
+
+# --- reference and policy ----------------------------------------------------------------------------
+
+
+def test_reference_scoring_saves_tokenized_pairs_with_their_log_probs(scored):
+    counts, summary, out = scored
+    data = load_prepared(out)
+    assert counts == {"train": 40, "eval": 8} and summary["rows"] == counts
+    assert set(data["train"].column_names) == {"prompt_ids", "chosen_ids", "rejected_ids", "ref_chosen_logps",
+                                               "ref_rejected_logps"}
+    ref = torch.tensor(list(data["train"]["ref_chosen_logps"]))
+    assert torch.isfinite(ref).all() and (ref < 0).all()
+    with pytest.raises(ValueError, match="scored with max_length=48, this run uses max_length=64"):
+        check_scored(out, _settings(max_length=64))
+
+
+def test_policy_trains_on_the_fused_loss_against_the_scored_reference(scored, tmp_path):
+    """Step 1's policy is the reference: the sigmoid loss is log 2 exactly when the stored log-probs are the
+    reference's for the same tokens (a misaligned pair, a wrong truncation or another model would not be)."""
+    _, _, out = scored
+    metrics, preference = train_dpo(_settings(), out, str(tmp_path / "model"))
+    assert preference.fused_loss, preference.notes
+    assert metrics.loss_curve[0] == pytest.approx(math.log(2), abs=2e-6)
+    assert metrics.steps == 3 and len(preference.accuracy_curve) == 3
+    assert preference.eval_reward_accuracy is not None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))
+    AutoTokenizer.from_pretrained(str(tmp_path / "model"))
+    assert not hasattr(model, "_fuseforge_state")  # saved plain: loads without fuseforge
+
+
+def test_unfused_run_matches_the_fused_run(scored, tmp_path):
+    _, _, out = scored
+    fused, _ = train_dpo(_settings(), out, str(tmp_path / "fused"))
+    plain, preference = train_dpo(_settings(kernels=False), out, str(tmp_path / "plain"))
+    assert not preference.fused_loss
+    assert fused.loss_curve == pytest.approx(plain.loss_curve, abs=2e-4)
+
+
+def _ddp_worker(out: str, kernels: bool):
+    """One of two DDP workers: train, then compare every rank's parameters (they must be the same replicas)."""
+    import torch.distributed as dist
+
+    trainer, _, notes = dpo_trainer(_settings(kernels=kernels), out)
+    trainer.train()
+    flat = torch.cat([p.detach().reshape(-1).float() for p in trainer.model.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, flat)
+    return {"loss": [h["loss"] for h in trainer.state.log_history if "loss" in h], "fused": _fused(notes),
+            "world": dist.get_world_size(), "replicas_equal": all(torch.equal(gathered[0], g) for g in gathered)}
+
+
+def test_two_ddp_workers_train_on_the_fused_loss_with_synchronised_replicas(scored):
+    """Under DDP the fused loss runs inside the wrapper's forward: gradients are all-reduced, so both ranks
+    hold the same weights after training, and the losses are the unfused DDP run's."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from fuseforge_flyte.training.local import _free_port
+
+    if torch.cuda.is_available() and torch.cuda.device_count() < 2:
+        pytest.skip("two workers on a CUDA machine take one GPU each; this one has fewer")
+    _, _, out = scored
+    results = {}
+    for kernels in (True, False):
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d", max_restarts=0,
+                              rdzv_endpoint=f"127.0.0.1:{_free_port()}", monitor_interval=0.1,
+                              start_method="spawn" if torch.cuda.is_initialized() else "fork")
+        results[kernels] = elastic_launch(config, _ddp_worker)(out, kernels)
+    fused, plain = results[True], results[False]
+    assert all(r["fused"] and r["world"] == 2 and r["replicas_equal"] for r in fused.values()), fused
+    assert fused[0]["loss"] == pytest.approx(plain[0]["loss"], abs=2e-4)
