@@ -243,3 +243,22 @@ def test_pyflyte_package_offline(tmp_path):
     assert pod_container(t)["image"] == "registry.example.com/ml/fuseforge:v1.2.3"
     assert pod_container(t)["resources"]["limits"]["gpu"] == "8"
     assert json.loads(env_of(pod_container(t))[RESOLVED_CONFIG_ENV])["elastic"]["nnodes"] == 4
+
+
+def test_dpo_reference_task_is_one_cached_gpu_and_the_policy_task_all_of_the_pod():
+    """The reference is scored once per dataset and reference model (cached) on one GPU; the policy takes
+    the pod's GPUs as platform.toml's [cluster] sets them."""
+    from fuseforge_flyte.posttrain.tasks import REFERENCE_CACHE_VERSION, dpo_train, reference_logps
+
+    ref = template_of(reference_logps)
+    assert ref["metadata"]["discoverable"] is True
+    assert ref["metadata"]["discoveryVersion"] == REFERENCE_CACHE_VERSION
+    requests = pod_container(ref)["resources"]["requests"]
+    gpus = requests["gpu"] if isinstance(requests, dict) else {r["name"]: r["value"] for r in requests}["GPU"]
+    assert gpus == "1"
+    policy = template_of(dpo_train)
+    config = load_config(env={RESOLVED_CONFIG_ENV: env_of(pod_container(policy))[RESOLVED_CONFIG_ENV]})
+    requests = pod_container(policy)["resources"]["requests"]
+    gpus = requests["gpu"] if isinstance(requests, dict) else {r["name"]: r["value"] for r in requests}["GPU"]
+    assert gpus == str(config.cluster.gpus)
+    assert "metadata" not in policy or not policy["metadata"].get("discoverable")

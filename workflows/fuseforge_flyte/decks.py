@@ -112,17 +112,21 @@ def training_deck_html(m: TrainMetrics) -> str:
     )
 
 
+def _maybe(value, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
 def preference_deck_html(p: "PreferenceMetrics") -> str:
     """DPO's reward accuracy and margin: a table and their curves over the logged steps."""
     from matplotlib.figure import Figure
 
     rows = [("loss type", p.loss_type), ("reference model", p.reference_model),
             ("fused DPO loss", "yes" if p.fused_loss else "no (TRL's own loss: see the notes)"),
-            ("reward accuracy (last 10% of steps)", f"{p.reward_accuracy:.3f}"),
-            ("reward margin (last 10% of steps)", f"{p.reward_margin:.4f}")]
+            ("reward accuracy (last 10% of steps)", _maybe(p.reward_accuracy, ".3f")),
+            ("reward margin (last 10% of steps)", _maybe(p.reward_margin, ".4f"))]
     if p.eval_reward_accuracy is not None:
-        rows += [("eval reward accuracy", f"{p.eval_reward_accuracy:.3f}"),
-                 ("eval reward margin", f"{p.eval_reward_margin:.4f}")]
+        rows += [("eval reward accuracy", _maybe(p.eval_reward_accuracy, ".3f")),
+                 ("eval reward margin", _maybe(p.eval_reward_margin, ".4f"))]
     fig = Figure(figsize=(10, 3.6))
     for ax, (curve, title) in zip(fig.subplots(1, 2), ((p.accuracy_curve, "reward accuracy"),
                                                        (p.margin_curve, "reward margin"))):

@@ -211,17 +211,17 @@ class PreferenceMetrics:
     reference_model: str = ""
     fused_loss: bool = False  # the training loss ran on fuseforge's fused DPO loss (else TRL's own; see notes)
     notes: List[str] = field(default_factory=list)  # the trainer patch report's notes
-    reward_accuracy: float = float("nan")  # mean over the last 10% of the logged steps (at least one)
-    reward_margin: float = float("nan")
+    reward_accuracy: Optional[float] = None  # mean over the last 10% of the logged steps (at least one)
+    reward_margin: Optional[float] = None
     accuracy_curve: List[float] = field(default_factory=list)
     margin_curve: List[float] = field(default_factory=list)
     eval_reward_accuracy: Optional[float] = None
     eval_reward_margin: Optional[float] = None
 
 
-def _tail_mean(curve: List[float]) -> float:
+def _tail_mean(curve: List[float]) -> Optional[float]:
     tail = curve[-max(1, len(curve) // 10):]
-    return sum(tail) / len(tail) if tail else float("nan")
+    return sum(tail) / len(tail) if tail else None
 
 
 class PreferenceLog(TrainerCallback):
