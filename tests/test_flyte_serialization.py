@@ -30,7 +30,7 @@ from fuseforge_flyte.launch import summary_task_options, training_task_options
 from fuseforge_flyte.training.validation import CHOICES
 from fuseforge_flyte.tasks import DEFAULTS, summarize_comparison, train_model
 from fuseforge_flyte.training.spec import TrainSpec
-from fuseforge_flyte.workflows import compare, train
+from fuseforge_flyte.workflows import compare, distill, dpo, train
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -184,13 +184,14 @@ def test_workflow_inputs_mirror_trainspec_with_config_defaults():
     compare_inputs = compare.python_interface.inputs_with_defaults
     assert set(spec_fields) - set(compare_inputs) == {"kernels", "checkpoint_dir", "checkpoint_every", "keep_last",
                                                       "resume_allow_changes", "eval_fraction", "eval_dataset",
-                                                      "eval_every"}
+                                                      "eval_every", "teacher", "distill_weight", "distill_beta",
+                                                      "distill_temperature"}
     assert compare.python_interface.outputs["o0"].__name__ == "Comparison"
 
 
 def test_inputs_have_help_and_choices():
     """Every input is described (the Flyte console and pyflyte --help show it); str choices are Enums."""
-    for entity in (train, compare, train_model):
+    for entity in (train, compare, distill, dpo, train_model):
         interface = entity.interface  # the typed interface, with the docstring's descriptions
         for name, variable in interface.inputs.items():
             assert len(variable.description) > 15, f"{entity.name}.{name} has no help: {variable.description!r}"

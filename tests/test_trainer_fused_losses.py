@@ -27,7 +27,7 @@ from test_transformers_tiny_models import single_thread  # noqa: E402,F401 - aut
 
 import fuseforge.transformers as ff  # noqa: E402
 from fuseforge.transformers import trainers as trainers_mod  # noqa: E402
-from fuseforge.transformers.trainers import DPO_LOGITS_METRICS  # noqa: E402
+from fuseforge.transformers.trainers import DPO_LOGITS_METRICS, KTO_LOGITS_METRICS  # noqa: E402
 from trainer_support import common_args, tiny_llama, tokenizer  # noqa: E402,F401 - tokenizer: a fixture
 
 pytestmark = pytest.mark.filterwarnings(
@@ -182,6 +182,82 @@ def test_dpo_trainer_subclass_overriding_compute_loss_falls_back(tokenizer, tmp_
     with pytest.warns(UserWarning, match=r"MyDPO keeps TRL's own DPO loss .*: MyDPO._compute_loss is overridden"):
         ff.apply_kernels(trainer)
     assert "compute_loss" not in trainer.__dict__
+
+
+# --- KTOTrainer ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kto_calls(monkeypatch):
+    calls = Counter()
+    real_loss, real_kl = trainers_mod.fused_linear_kto_loss, trainers_mod.fused_linear_kto_kl
+
+    def loss(*args, **kwargs):
+        calls[kwargs["loss_type"]] += 1
+        calls["reference: " + ("log-probs" if kwargs.get("ref_logps") is not None else "model")] += 1
+        return real_loss(*args, **kwargs)
+
+    def kl(*args, **kwargs):
+        calls["kl"] += 1
+        return real_kl(*args, **kwargs)
+
+    monkeypatch.setattr(trainers_mod, "fused_linear_kto_loss", loss)
+    monkeypatch.setattr(trainers_mod, "fused_linear_kto_kl", kl)
+    return calls
+
+
+def kto_trainer(tokenizer, tmp_path, *, with_ref_model=True, **config):
+    model = tiny_llama(tokenizer, hidden_size=32)
+    args = trl.KTOConfig(**common_args(tmp_path, gradient_accumulation_steps=2, learning_rate=1e-2, max_length=32,
+                                       per_device_train_batch_size=4, **config))
+    # unpaired: each prompt once with a desirable and once with an undesirable completion, in an order that
+    # mixes the labels within batches
+    rows = [(p, c, True) for p, c in zip(PROMPTS, CHOSEN)] + [(p, r, False) for p, r in zip(PROMPTS, REJECTED)]
+    rows = rows[::2] + rows[1::2]
+    data = datasets.Dataset.from_dict({"prompt": [r[0] for r in rows], "completion": [r[1] for r in rows],
+                                       "label": [r[2] for r in rows]})
+    ref = copy.deepcopy(model) if with_ref_model else None
+    return trl.KTOTrainer(model=model, ref_model=ref, args=args, train_dataset=data, processing_class=tokenizer)
+
+
+@pytest.mark.parametrize(
+    "loss_type, reference", [("kto", "model"), ("kto", "log-probs"), ("apo_zero_unpaired", "model")]
+)
+def test_kto_trainer_trains_on_fused_kto_loss(loss_type, reference, tokenizer, tmp_path, kto_calls):
+    config = dict(loss_type=loss_type, beta=0.5, desirable_weight=1.3, undesirable_weight=0.8)
+    if reference == "log-probs":
+        config.update(precompute_ref_log_probs=True)
+
+    def build():
+        return kto_trainer(tokenizer, tmp_path, with_ref_model=reference == "model", **config)
+
+    expected = train(build())
+    assert all(metric in log for log in expected for metric in KTO_LOGITS_METRICS)  # what TRL logs unpatched
+
+    trainer = build()
+    model = trainer.model
+    spy = WideLogits(len(tokenizer), *(m for m in (model, trainer.ref_model) if m is not None))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = ff.apply_kernels(trainer, loss_chunk_size=CHUNK)
+        logs = train(trainer, spy)
+    ours = fuseforge_warnings(caught)
+    assert len(ours) == 1 and all(m in ours[0] for m in KTO_LOGITS_METRICS), ours
+    assert f"trainer: KTOTrainer's training loss is fused_linear_kto_loss (loss_type={loss_type!r})" in report.notes
+    assert kto_calls[loss_type] == 2 * 2 and kto_calls[f"reference: {reference}"] == 2 * 2  # every micro-batch
+    assert kto_calls["kl"] == (2 * 2 if loss_type == "kto" else 0)
+    assert not spy.seen, spy.seen[:5]  # no [tokens, vocab] logits in training
+    numeric = [k for k, v in expected[0].items() if isinstance(v, float) and k not in ("step_time", "epoch")]
+    assert {"loss", "grad_norm", "kl", "rewards/chosen", "logps/chosen", "logits/rejected"} <= set(numeric)
+    for step, (a, e) in enumerate(zip(logs, expected, strict=True)):
+        assert not any(metric in a for metric in KTO_LOGITS_METRICS), a
+        for key in numeric:
+            if key not in KTO_LOGITS_METRICS:
+                assert a[key] == pytest.approx(e[key], rel=RTOL, abs=1e-6), f"step {step + 1}: {key}"
+    assert any(abs(log.get("rewards/chosen", 0.0)) > 1e-3 for log in logs)  # the policy left the reference
+    if loss_type == "kto":
+        assert any(log["kl"] > 0 for log in logs)  # the KL term took part
+    assert ff.unpatch(trainer) and "compute_loss" not in trainer.__dict__
 
 
 # --- GRPOTrainer ---------------------------------------------------------------------------------

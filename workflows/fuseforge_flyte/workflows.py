@@ -1,5 +1,6 @@
-"""Flyte workflows: `train` (one run), `compare` (the same run with and without the kernels), `dpo`
-(preference optimisation against a reference scored once) and `demo`.
+"""Flyte workflows: `train` (one run), `compare` (the same run with and without the kernels), `distill`
+(a student trained toward a teacher), `dpo` (preference optimisation against a reference scored once) and
+`demo`.
 
 Both prepare the data first on a CPU pod (cached: a second run with the same dataset contents,
 tokenizer, format and seq_len reuses the shards), then train on the GPU pods.
@@ -60,9 +61,25 @@ def train(dataset: DataSource = DEFAULTS.dataset, **settings: Any) -> TrainOutpu
     return train_model(data=data, **settings)
 
 
+@workflow
+@training_inputs(DEFAULTS, exclude=("teacher",))
+def distill(teacher: str, dataset: DataSource = DEFAULTS.dataset, **settings: Any) -> TrainOutput:
+    """Distil a teacher into the student `model` on a dataset: the loss mixes cross-entropy with the JSD to the
+    teacher's next-token distributions (distill_weight, distill_beta, distill_temperature), both LM heads
+    fused (fused linear JSD: no [tokens, vocab] logits). Returns the student and its metrics.
+
+    :param teacher: the model to distil: a preset, a Hugging Face id or model directory sharing the student's
+        vocabulary (tokenizer)
+    :param dataset: what to train on (as in train)
+    """
+    data = _prepared(dataset, **{name: settings[name] for name in DATA_INPUTS})
+    return train_model(data=data, teacher=teacher, **settings)
+
+
 # compare: both runs from step 0 (no checkpoints to resume from), no eval (it measures training).
 NOT_COMPARED = ("kernels", "checkpoint_dir", "checkpoint_every", "keep_last", "resume_allow_changes",
-                "eval_fraction", "eval_dataset", "eval_every")
+                "eval_fraction", "eval_dataset", "eval_every",
+                "teacher", "distill_weight", "distill_beta", "distill_temperature")  # distillation needs kernels
 
 
 @workflow
@@ -110,7 +127,7 @@ def dpo(model: str, dataset: DataSource = "builtin:preferences", reference_model
     :param loss_type: TRL's DPO loss; sigmoid, hinge, ipo and robust are fused
     :param label_smoothing: the robust loss's assumed label noise, in [0, 0.5)
     :param max_length: prompt + completion tokens per sequence; longer ones are cut at the end
-    :param steps: optimizer steps
+    :param steps: optimizer steps to train
     :param batch_size: pairs per worker per micro-batch
     :param grad_accum: micro-batches per optimizer step
     :param lr: peak learning rate (cosine schedule after warmup_steps)
@@ -131,7 +148,7 @@ def dpo(model: str, dataset: DataSource = "builtin:preferences", reference_model
                      eval_every=eval_every, seed=seed, kernels=kernels, loss_chunk_size=loss_chunk_size)
 
 
-summary_only(train, compare, dpo)
+summary_only(train, compare, distill, dpo)
 
 
 class DemoOutput(NamedTuple):

@@ -19,7 +19,7 @@ Tested with transformers in TESTED_TRANSFORMERS and TRL in TESTED_TRL.
 
 from fuseforge.transformers.auto import AutoFusedModelForCausalLM
 from fuseforge.transformers.families import SUPPORTED_MODEL_TYPES
-from fuseforge.transformers.loss import causal_lm_loss
+from fuseforge.transformers.loss import Distillation, causal_lm_loss
 from fuseforge.transformers.patching import (
     DEFAULT_FLAGS,
     FAMILY_FUNCTIONS,
@@ -62,6 +62,7 @@ __all__ = [
     "TRAINER_POLICIES",
     "TrainerPolicy",
     "AutoFusedModelForCausalLM",
+    "Distillation",
     "PatchReport",
     "apply_kernels",
     "apply_kernels_to_exaone4",

@@ -16,6 +16,8 @@ Gemma's final-logit softcapping is applied inside the kernel; Granite's division
 the logits by `logits_scaling` is applied to the hidden states (and bias) before the
 kernel, (h / s) W^T + b / s = (h W^T + b) / s; the router auxiliary loss of Mixtral and
 Qwen3-MoE is added as their forwards do. The returned output has `logits=None`.
+Image-text models (a family's `multimodal_lm`) take the same path: their forwards project
+with the head `lm_head_of` finds, then call the stock loss, with none of those logit changes.
 
 The forward falls back to logits (with a warning) when the fused loss cannot stand in:
 a custom `loss_function`, an `lm_head` replaced after patching, or DeepSpeed ZeRO-3
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fuseforge.functional import cross_entropy, fused_linear_cross_entropy
+from fuseforge.functional import cross_entropy, fused_linear_cross_entropy, fused_linear_jsd
 from fuseforge.ops._loss_args import IGNORE_INDEX
 
 
@@ -52,6 +54,30 @@ class LossSpec:
     logit_scale_attr: str | None = None
 
 
+@dataclass(frozen=True)
+class Distillation:
+    """A teacher's view of the same tokens, for distilling into the patched model.
+
+    Passed as `distillation=` to a patched causal LM's training forward (with labels), it makes the loss
+    `(1 - weight) * cross-entropy + weight * JSD_beta(student || teacher)` over the tokens that carry a
+    label, the JSD from both LM heads through fused linear JSD (fuseforge.ops.jsd: beta 0 is forward KL,
+    1 reverse KL; both distributions at `temperature`), never building [tokens, vocab] logits. The teacher
+    tensors are constants. `teacher_hidden` is the teacher's last hidden state (after its final norm) for
+    the same input, [batch, seq, teacher hidden]; `teacher_weight` its LM head weight [vocab, teacher
+    hidden], the student's vocabulary.
+    """
+
+    teacher_hidden: torch.Tensor
+    teacher_weight: torch.Tensor
+    weight: float = 0.5
+    beta: float = 0.5
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if not 0.0 <= self.weight <= 1.0:
+            raise ValueError(f"Distillation.weight must be in [0, 1] (the JSD's share of the loss), got {self.weight}")
+
+
 @dataclass
 class _LossRequest:
     head: nn.Module
@@ -62,6 +88,7 @@ class _LossRequest:
     softcap: float | None
     chunk_size: int | None
     logit_divisor: float | None = None  # logits = lm_head(hidden) / logit_divisor
+    distillation: Distillation | None = None
     loss: torch.Tensor | None = None
 
 
@@ -99,7 +126,7 @@ def _loss_from_hidden(hidden: torch.Tensor, head: nn.Linear, request: _LossReque
         rows = rows / request.logit_divisor
         bias = None if bias is None else bias / request.logit_divisor
     # Under torch.autocast the op casts to the autocast dtype itself, as nn.Linear would.
-    return fused_linear_cross_entropy(
+    loss = fused_linear_cross_entropy(
         rows,
         head.weight,
         targets,
@@ -109,6 +136,29 @@ def _loss_from_hidden(hidden: torch.Tensor, head: nn.Linear, request: _LossReque
         num_items_in_batch=request.num_items_in_batch,
         chunk_size=request.chunk_size,
     )
+    if request.distillation is None:
+        return loss
+    return _distilled(loss, rows, head, targets, request)
+
+
+def _distilled(ce: torch.Tensor, rows: torch.Tensor, head: nn.Linear, targets: torch.Tensor,
+               request: _LossRequest) -> torch.Tensor:
+    """The cross-entropy `ce` mixed with the fused linear JSD to the teacher, normalised as `ce` is."""
+    d = request.distillation
+    teacher = d.teacher_hidden.reshape(-1, d.teacher_hidden.shape[-1])
+    if teacher.shape[0] != rows.shape[0]:
+        raise ValueError(f"Distillation.teacher_hidden of shape {tuple(d.teacher_hidden.shape)} covers "
+                         f"{teacher.shape[0]} positions, the student's head sees {rows.shape[0]}: give the teacher "
+                         "the same input_ids (and no logits_to_keep)")
+    device = rows.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+    jsd = fused_linear_jsd(rows.to(dtype), head.weight.to(dtype), teacher.to(rows.device, dtype),
+                           d.teacher_weight.to(rows.device, dtype), targets, beta=d.beta, temperature=d.temperature,
+                           ignore_index=request.ignore_index, chunk_size=request.chunk_size)
+    if request.num_items_in_batch is not None:  # a share of the global mean, as the cross-entropy's
+        counted = (targets != request.ignore_index).sum().to(jsd.dtype)
+        jsd = _divide(jsd * counted, request.num_items_in_batch)
+    return (1.0 - d.weight) * ce + d.weight * jsd.to(ce.dtype)
 
 
 class FusedLossHeadMixin:
@@ -169,14 +219,21 @@ def _fallback_reason(model: nn.Module) -> str | None:
 
 def _fused_forward(self, original, args: tuple, kwargs: dict):
     skip_logits = kwargs.pop("skip_logits", None)
+    distillation = kwargs.pop("distillation", None)
     position = _labels_position(original)
     positional_labels = position is not None and len(args) > position
     labels = args[position] if positional_labels else kwargs.get("labels")
     shift_labels = kwargs.get("shift_labels")
     wants_loss = labels is not None or shift_labels is not None
-    if not wants_loss or not (self.training if skip_logits is None else skip_logits):
+    fused = wants_loss and (self.training if skip_logits is None else skip_logits)
+    if distillation is not None and not fused:
+        raise ValueError(f"{type(self).__name__}: distillation= needs a training forward with labels (the fused "
+                         "loss computes it); evaluate without it")
+    if not fused:
         return original(self, *args, **kwargs)
     fallback = _fallback_reason(self)
+    if distillation is not None and fallback is not None:
+        raise ValueError(f"{type(self).__name__} {fallback}: the fused loss cannot run, and distillation= needs it")
     if fallback is not None:
         warnings.warn(
             f"fuseforge: {type(self).__name__} {fallback}; computing logits and the loss from them instead of "
@@ -196,6 +253,9 @@ def _fused_forward(self, original, args: tuple, kwargs: dict):
         kwargs["labels"] = None
     softcap = getattr(self.config, spec.logit_softcap_attr, None) if spec.logit_softcap_attr else None
     divisor = getattr(self.config, spec.logit_scale_attr, None) if spec.logit_scale_attr else None
+    if distillation is not None and (softcap or divisor not in (None, 1)):
+        raise ValueError(f"{type(self).__name__} caps or scales its logits ({spec.logit_softcap_attr or ''}"
+                         f"{spec.logit_scale_attr or ''}); the fused JSD of distillation= does not apply that")
     request = _LossRequest(
         head=self.lm_head,
         labels=labels,
@@ -205,6 +265,7 @@ def _fused_forward(self, original, args: tuple, kwargs: dict):
         softcap=softcap,
         chunk_size=spec.chunk_size,
         logit_divisor=divisor,
+        distillation=distillation,
     )
     token = _PENDING.set(request)
     try:

@@ -43,7 +43,13 @@ class hierarchy (so subclasses inherit their parent's entry):
   inputs, `cast_lm_head_to_fp32`, PEFT references and the settings listed for DPO (MoE,
   Liger, parallelism, FSDP / DeepSpeed, logit scaling, overrides); batches with a `tool_mask`
   take TRL's loss (one warning).
-- TRL's `KTOTrainer`, `RLOOTrainer`, `GKDTrainer`, `DistillationTrainer` and
+- TRL's `KTOTrainer` likewise trains on fuseforge's `fused_linear_kto_loss` (loss types kto and
+  apo_zero_unpaired, desirable / undesirable weights), its KL estimate from `fused_linear_kto_kl`
+  on the mismatched completions TRL's collator builds, averaged over ranks as TRL does; reference
+  log-probs precomputed or from the reference model. Metrics as TRL's, but `entropy` (one
+  warning). Falls back with one warning as listed for DPO (MoE, PEFT, vision, padding-free,
+  FSDP / DeepSpeed, logit scaling, overrides).
+- TRL's `RLOOTrainer`, `GKDTrainer`, `DistillationTrainer` and
   `RewardTrainer` compute their loss themselves (from per-token log-probabilities or
   logits), never from the model's `loss`: their models keep the norm / RoPE / MLP kernels
   and get no fused loss, so their numbers are unchanged.
@@ -72,7 +78,7 @@ from torch import nn
 
 from fuseforge.ops._loss_args import IGNORE_INDEX
 from fuseforge.ops.grpo import fused_linear_grpo_loss
-from fuseforge.ops.preference import fused_linear_dpo_loss
+from fuseforge.ops.preference import fused_linear_dpo_loss, fused_linear_kto_kl, fused_linear_kto_loss
 from fuseforge.transformers.loss import LOSS_SPEC_ATTR
 from fuseforge.transformers.patching import _STATE_ATTR, apply_kernels, unpatch
 from fuseforge.transformers.report import PatchReport
@@ -455,6 +461,136 @@ def _adapt_dpo(trainer, model: nn.Module, options: dict) -> str | None:
     return f"trainer: {name}'s training loss is fused_linear_dpo_loss (loss_type={loss_type!r})"
 
 
+# --- TRL's KTOTrainer ---------------------------------------------------------------------------
+
+# Training metric TRL's KTOTrainer computes from full-vocabulary statistics the fused KTO loss never builds.
+KTO_LOGITS_METRICS = ("entropy",)
+_KL_REFERENCE_NAMES = {"ref_logps": "ref_kl_logps", "ref_hidden": "ref_kl_hidden"}  # fused_linear_kto_kl's
+_KTO_NON_MODEL_KEYS = frozenset({"completion_mask", "KL_input_ids", "KL_attention_mask", "KL_completion_mask",
+                                 "KL_token_type_ids", "KL_mm_token_type_ids", "label", "ref_logps", "ref_KL_logps"})
+
+
+def _kto_unsupported(trainer, model: nn.Module) -> str | None:
+    """Why this KTOTrainer's configuration is not the fused KTO loss (None: it is)."""
+    from fuseforge.ops.preference import KTO_LOSS_TYPES
+
+    if trainer.loss_type not in KTO_LOSS_TYPES:
+        return f"KTOConfig(loss_type={trainer.loss_type!r}): the fused KTO loss covers {KTO_LOSS_TYPES}"
+    if getattr(trainer.args, "padding_free", False):
+        return "padding-free batches"
+    if getattr(trainer, "_is_vision_dataset", False):
+        return "vision-language inputs"
+    reason = _common_unsupported(trainer, model, "KTOTrainer")
+    if reason is not None:
+        return reason
+    if not getattr(trainer, "precompute_ref_logps", False):
+        ref = _unwrap(trainer, getattr(trainer, "ref_model", None))
+        if not isinstance(ref, nn.Module) or _backbone(ref) is None:
+            return "the reference log-probs come neither from precomputed log-probs nor a reference causal LM"
+    return None
+
+
+def _completion_target(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+    """Next-token targets of the completion tokens (IGNORE_INDEX elsewhere), aligned with hidden[:, :-1]."""
+    return input_ids.masked_fill(completion_mask == 0, IGNORE_INDEX)[:, 1:]
+
+
+def _adapt_kto(trainer, model: nn.Module, options: dict) -> str | None:
+    """Training steps compute TRL's KTO loss with fused_linear_kto_loss (and the KL estimate with
+    fused_linear_kto_kl), never building [tokens, vocab] logits."""
+    name = type(trainer).__name__
+    if not options.get(_FLCE, True):
+        return None
+    reason = _kto_unsupported(trainer, model)
+    if reason is not None:
+        warnings.warn(f"fuseforge: {name} keeps TRL's own KTO loss (no fused KTO loss): {reason}", UserWarning,
+                      stacklevel=4)
+        return f"fused_linear_kto_loss: off for {name}: {reason}"
+    original = trainer.compute_loss
+    chunk_size = options.get("loss_chunk_size")
+
+    def reference(kwargs: dict, precomputed: torch.Tensor | None, device) -> dict:
+        if trainer.precompute_ref_logps:
+            return {"ref_logps": precomputed.to(device)}
+        with torch.no_grad(), _no_checkpointing(trainer):
+            ref_hidden, ref_head = _last_hidden(_unwrap(trainer, trainer.ref_model), kwargs)
+        return {"ref_hidden": ref_hidden.to(device), "ref_weight": ref_head.weight, "ref_bias": ref_head.bias}
+
+    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        """KTOTrainer._compute_loss's training step with fused_linear_kto_loss in place of TRL's fused LM head."""
+        if return_outputs or not trainer.model.training:
+            return original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        mode = "train"
+        accelerator = trainer.accelerator
+        batch = {k: (v.to(accelerator.device) if isinstance(v, torch.Tensor) else v) for k, v in inputs.items()}
+        model_kwargs = {k: v for k, v in batch.items() if k not in _KTO_NON_MODEL_KEYS}
+        model_kwargs["use_cache"] = False
+        target = _completion_target(batch["input_ids"], batch["completion_mask"])
+        desirable = torch.as_tensor(batch["label"], dtype=torch.bool, device=target.device)
+        kl = 0.0
+        if trainer.calculate_KL:
+            kl_kwargs = {"input_ids": batch["KL_input_ids"], "attention_mask": batch["KL_attention_mask"],
+                         "use_cache": False}
+            kl_target = _completion_target(batch["KL_input_ids"], batch["KL_completion_mask"])
+            with torch.no_grad():
+                kl_hidden, head = _last_hidden(_unwrap(trainer, model), kl_kwargs)
+                ref = reference(kl_kwargs, batch.get("ref_KL_logps"), kl_hidden.device)
+                kl = fused_linear_kto_kl(
+                    kl_hidden, head.weight, kl_target.to(kl_hidden.device), head.bias, ignore_index=IGNORE_INDEX,
+                    chunk_size=chunk_size, **{_KL_REFERENCE_NAMES.get(k, k): v for k, v in ref.items()},
+                )
+            kl = accelerator.gather_for_metrics(kl.reshape(1)).mean()
+
+        def fused_step(**kwargs):
+            hidden, head = _last_hidden(_unwrap(trainer, model), kwargs)
+            out = fused_linear_kto_loss(
+                hidden, head.weight, target.to(hidden.device), desirable.to(hidden.device), head.bias,
+                **reference(kwargs, batch.get("ref_logps"), hidden.device), kl=kl, beta=trainer.beta,
+                desirable_weight=trainer.desirable_weight, undesirable_weight=trainer.undesirable_weight,
+                loss_type=trainer.loss_type, chunk_size=chunk_size,
+            )
+            return out, _mean_logits(hidden, head)
+
+        with _forward_as(_unwrap(trainer, model), fused_step):
+            out, mean_logits = model(**model_kwargs)
+
+        metrics = trainer._metrics[mode]
+        metrics["kl"].append(out.kl.item())
+        tokens = accelerator.gather_for_metrics(batch["attention_mask"].sum()).sum().item()
+        trainer._total_train_tokens += tokens // getattr(trainer, "_tp_size", 1)
+        metrics["num_tokens"] = [trainer._total_train_tokens]
+        mask = batch["completion_mask"][:, 1:].to(mean_logits.device).bool()
+        d = desirable.to(mean_logits.device)
+        for key, rows in (("logits/chosen", d), ("logits/rejected", ~d)):
+            picked = mask & rows[:, None]
+            total = accelerator.gather_for_metrics(mean_logits[picked].sum()).sum().item()
+            count = accelerator.gather_for_metrics(picked.sum()).sum().item()
+            if count > 0:
+                metrics[key].append(total / count)
+        n_chosen = accelerator.gather_for_metrics(d.sum()).sum().item()
+        n_rejected = accelerator.gather_for_metrics((~d).sum()).sum().item()
+        for side, rows, n in (("chosen", d, n_chosen), ("rejected", ~d, n_rejected)):
+            if n > 0:
+                for key, values in (("rewards", out.rewards), ("logps", out.logps)):
+                    total = accelerator.gather_for_metrics(values[rows].nansum()).nansum().item()
+                    metrics[f"{key}/{side}"].append(total / n)
+        if n_chosen > 0 and n_rejected > 0:
+            metrics["rewards/margins"].append(metrics["rewards/chosen"][-1] - metrics["rewards/rejected"][-1])
+        return out.loss
+
+    compute_loss._fuseforge_wrapped = original
+    trainer.compute_loss = compute_loss
+    warnings.warn(
+        f"fuseforge: {name}'s training loss runs through fuseforge's fused KTO loss; its training metric "
+        f"{' and '.join(KTO_LOGITS_METRICS)} is not logged: it needs every logit, which the fused loss never "
+        "builds (evaluation still logs it). apply_kernels(trainer, fused_linear_cross_entropy=False) keeps it, "
+        "with TRL's own loss.",
+        UserWarning,
+        stacklevel=4,
+    )
+    return f"trainer: {name}'s training loss is fused_linear_kto_loss (loss_type={trainer.loss_type!r})"
+
+
 # --- TRL's GRPOTrainer --------------------------------------------------------------------------
 
 # Training metric TRL's GRPOTrainer computes from full-vocabulary statistics the fused GRPO loss never builds.
@@ -617,7 +753,9 @@ TRAINER_POLICIES: dict[str, TrainerPolicy] = {
     "DPOTrainer": dataclasses.replace(
         _own_loss("DPOTrainer", "preference loss from per-token log-probabilities"), adapt=_adapt_dpo
     ),
-    "KTOTrainer": _own_loss("KTOTrainer", "preference loss from per-token log-probabilities"),
+    "KTOTrainer": dataclasses.replace(
+        _own_loss("KTOTrainer", "preference loss from per-token log-probabilities"), adapt=_adapt_kto
+    ),
     "GRPOTrainer": dataclasses.replace(
         _own_loss("GRPOTrainer", "policy loss from per-token log-probabilities"), adapt=_adapt_grpo
     ),

@@ -297,10 +297,14 @@ def run_settings(spec, data_manifest, *, samples_per_step: int, dtype: str) -> D
         from fuseforge_flyte.training.data import resolve_benchmark
 
         dataset = {"benchmark": resolve_benchmark(spec.dataset) or spec.dataset}
-    return _jsonable({"seed": spec.seed, "dataset": dataset, "seq_len": spec.seq_len,
-                      "global_batch": samples_per_step, "lr": spec.lr, "weight_decay": spec.weight_decay,
-                      "warmup_steps": spec.warmup_steps, "steps": spec.steps, "grad_clip": spec.grad_clip,
-                      "dtype": dtype})
+    settings = {"seed": spec.seed, "dataset": dataset, "seq_len": spec.seq_len,
+                "global_batch": samples_per_step, "lr": spec.lr, "weight_decay": spec.weight_decay,
+                "warmup_steps": spec.warmup_steps, "steps": spec.steps, "grad_clip": spec.grad_clip,
+                "dtype": dtype}
+    if getattr(spec, "teacher", ""):  # only then: runs without a teacher resume checkpoints written before it existed
+        settings["distillation"] = {"teacher": spec.teacher, "weight": spec.distill_weight,
+                                    "beta": spec.distill_beta, "temperature": spec.distill_temperature}
+    return _jsonable(settings)
 
 
 def parse_allowed_changes(value: str) -> FrozenSet[str]:

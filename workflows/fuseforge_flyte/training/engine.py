@@ -35,7 +35,7 @@ from fuseforge_flyte.training.metrics import (History, device_name, final_loss, 
                                               reset_peak_memory, summarize)
 from fuseforge_flyte.training.models import PRESETS, build_model, load_config, model_flops, peak_flops
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
-from fuseforge_flyte.training.strategies import Strategy, make_strategy, strategy_class
+from fuseforge_flyte.training.strategies import Strategy, compute_torch_dtype, make_strategy, strategy_class
 from fuseforge_flyte.training.validation import skipped_kernels
 
 log = logging.getLogger("fuseforge.training")
@@ -131,6 +131,12 @@ class _Run:
         self.tokens_per_step = self.samples_per_step * spec.seq_len
         self._batches(DataPosition())  # raises if one global step needs more sequences than there are
         self.kernels_patched = _apply_kernels(model, spec, ctx.is_main) if spec.kernels else []
+        self.teacher = None
+        if spec.teacher:
+            from fuseforge_flyte.training.distill import Teacher
+
+            self.teacher = Teacher(spec, model, ctx.device, compute_torch_dtype(spec, ctx.device),
+                                   model.config._attn_implementation)
         if spec.gradient_checkpointing:
             _enable_activation_checkpointing(model)
         self.flops = model_flops(model, spec.seq_len)
@@ -245,7 +251,10 @@ class _Run:
         stats = torch.zeros(2, device=ctx.device)  # [sum of finite loss shares, count of non-finite ones]
         skipped = False
         for index, batch in enumerate(micro_batches):
-            loss = strategy.forward(dict(batch, num_items_in_batch=num_items), index == len(micro_batches) - 1)
+            inputs = dict(batch, num_items_in_batch=num_items)
+            if self.teacher is not None:
+                inputs["distillation"] = self.teacher.target(batch)
+            loss = strategy.forward(inputs, index == len(micro_batches) - 1)
             loss = faults.maybe_poison(loss, ctx.rank, step)
             value = loss.detach().float()
             finite = torch.isfinite(value)

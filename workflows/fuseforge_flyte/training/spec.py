@@ -52,6 +52,13 @@ class TrainSpec:
                                  "layer_norm, rope, swiglu, fused_linear_cross_entropy")
     loss_chunk_size: int = _setting(0, "tokens per chunk of the fused loss head (with kernels); 0: fuseforge's "
                                     "default. Bigger chunks: faster, more peak memory")
+    teacher: str = _setting("", "distill from this model (a preset, Hugging Face id or directory with the student's "
+                            "vocabulary): the loss becomes (1 - distill_weight) * cross-entropy + distill_weight * "
+                            "JSD to the teacher, through fused linear JSD (needs kernels); empty: no teacher")
+    distill_weight: float = _setting(0.5, "with a teacher: the JSD's share of the loss, 0 to 1")
+    distill_beta: float = _setting(0.5, "with a teacher: the generalized JSD's beta, 0 (forward KL, teacher || "
+                                   "student) to 1 (reverse KL)")
+    distill_temperature: float = _setting(1.0, "with a teacher: softmax temperature of both distributions in the JSD")
     strategy: str = _setting("ddp", "data parallelism: ddp, fsdp (FSDP2, sharded) or deepspeed (ZeRO)")
     zero_stage: int = _setting(2, "DeepSpeed ZeRO stage (1, 2 or 3) when strategy is deepspeed")
     offload: bool = _setting(False, "DeepSpeed: offload optimizer state and parameters to CPU memory")

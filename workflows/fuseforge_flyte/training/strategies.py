@@ -33,6 +33,10 @@ def compute_dtype(spec: TrainSpec, device: torch.device) -> str:
     return spec.dtype if device.type == "cuda" else "fp32"
 
 
+def compute_torch_dtype(spec: TrainSpec, device: torch.device) -> torch.dtype:
+    return _DTYPES[compute_dtype(spec, device)]
+
+
 def _weights_only_load(path: str, device: torch.device):
     return torch.load(path, map_location=device, weights_only=True)
 

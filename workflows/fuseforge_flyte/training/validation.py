@@ -69,6 +69,7 @@ def validate_spec(spec) -> None:
                          f"{list(KERNEL_SWITCHES)}, separated by commas")
     if not spec.model or not is_known_model(spec.model):
         raise ValueError(unknown_model_message(spec.model))
+    _check_distillation(spec)
     _check_data(spec)
     if spec.checkpoint_every > 0 and spec.checkpoint_dir == CHECKPOINT_OFF:
         raise ValueError(f"TrainSpec.checkpoint_every > 0 needs checkpoints, but TrainSpec.checkpoint_dir is {CHECKPOINT_OFF!r}")
@@ -81,6 +82,23 @@ def validate_spec(spec) -> None:
             "TrainSpec.nonfinite_policy='skip' with strategy='deepspeed' needs grad_accum=1 "
             "(DeepSpeed owns gradient accumulation, so a step cannot be dropped half-way)"
         )
+
+
+def _check_distillation(spec) -> None:
+    """A teacher needs the fused loss head (it computes the JSD); its settings must be in range."""
+    for name, low, high in (("distill_weight", 0.0, 1.0), ("distill_beta", 0.0, 1.0)):
+        value = getattr(spec, name)
+        if not (math.isfinite(value) and low <= value <= high):
+            raise ValueError(f"TrainSpec.{name} must be in [{low:g}, {high:g}], got {value}")
+    if not (math.isfinite(spec.distill_temperature) and spec.distill_temperature > 0):
+        raise ValueError(f"TrainSpec.distill_temperature must be > 0, got {spec.distill_temperature}")
+    if not spec.teacher:
+        return
+    if not is_known_model(spec.teacher):
+        raise ValueError(unknown_model_message(spec.teacher).replace("TrainSpec.model", "TrainSpec.teacher"))
+    if not spec.kernels or "fused_linear_cross_entropy" in skipped_kernels(spec):
+        raise ValueError("TrainSpec.teacher: distillation runs through the fused loss head (fused linear JSD); "
+                         "turn kernels on and keep fused_linear_cross_entropy out of skip_kernels")
 
 
 def skipped_kernels(spec) -> list:
