@@ -608,3 +608,41 @@ def test_kto_reference_is_trls_kto_trainer(loss_type, device):
     if loss_type == "kto":
         metrics["kl"] = max(kl, 0.0)
     _compare_with_trl(ours, theirs, logits, metrics, fake._metrics["train"])
+
+
+# ------------------------------------------------------------------------------------ chunking paths
+
+# Each loss on one batch; `cs` is chunk_size. Pairs span 2T = 22 tokens, KTO sequences T = 11: 8 caps the
+# logits below one group (token log-probs, backward recomputes), 11 makes KTO's first block live in
+# grad_weight's storage, 64 and None run several groups per chunk.
+CHUNKED_LOSSES = {
+    "dpo": lambda h, w, b, x, cs: fused_linear_dpo_loss(h, w, x.target, b, ref_logps=x.ref_sums, beta=0.5,
+                                                        loss_type="ipo", chunk_size=cs),
+    "cpo": lambda h, w, b, x, cs: fused_linear_cpo_loss(h, w, x.target, b, beta=0.7, cpo_alpha=1.0,
+                                                        nll_target=x.nll_target, chunk_size=cs),
+    "orpo": lambda h, w, b, x, cs: fused_linear_orpo_loss(h, w, x.target, b, beta=0.3, nll_target=x.nll_target,
+                                                          chunk_size=cs),
+    "kto": lambda h, w, b, x, cs: fused_linear_kto_loss(h, w, x.target, x.desirable, b, ref_logps=x.ref_sums[:5],
+                                                        kl=0.7, beta=0.4, chunk_size=cs),
+}
+
+
+@pytest.mark.parametrize("chunk_size", [None, 11, 64])
+@pytest.mark.parametrize("name", CHUNKED_LOSSES)
+def test_one_sweep_path_equals_the_recompute_path(name, chunk_size):
+    """Whole groups per chunk (gradients in the forward sweep) and chunks below a group (backward recomputes
+    the logits) are two ways to compute one loss: same value, gradients and statistics."""
+    batch = make_sequences(6, torch.float32, bias=True, empty_rows=(1, 4))
+    if name == "kto":
+        batch = make_sequences(5, torch.float32, bias=True)
+    batch.ref_sums = torch.randn(6) - 15.0
+    batch.desirable = torch.tensor([True, False, True, True, False])
+    results = []
+    for cs in (8, chunk_size):
+        h, w, b = leaves(batch)
+        out = CHUNKED_LOSSES[name](h, w, b, batch, cs)
+        out.loss.backward()
+        stats = [v for v in vars(out).values() if isinstance(v, torch.Tensor)]
+        results.append((out.loss, h.grad, w.grad, b.grad, *stats))
+    for got, want in zip(results[1], results[0]):
+        assert_close(got, want, torch.float32)

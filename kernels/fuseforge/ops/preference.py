@@ -1,10 +1,13 @@
 """Preference-optimisation losses (DPO, CPO, SimPO, ORPO, KTO) from hidden states and the LM head.
 
 Why here: each loss is a cheap function of per-sequence sums (or means) of the target tokens'
-log-probs; only the [tokens, V] logits are expensive. The per-token log-probs come from
-fused_linear_token_logprobs (chunked; backward recomputes each chunk's logits), the rest is
-a few [batch]-sized torch ops whose gradient flows back through it. The reference head, when
-given as hidden states and weight, runs through the same op under no_grad in the same call.
+log-probs; only the [tokens, V] logits are expensive. The policy runs through
+fused_linear_sequence_objective: the sequences of a pair are put next to each other, so every
+chunk of logits holds whole pairs (KTO: whole sequences), the pair losses of a chunk are known
+as soon as its log-probs are, and the gradients are computed in the same sweep (3 logits GEMMs,
+no recompute in backward). A `chunk_size` below one pair's tokens (very long sequences) takes
+fused_linear_token_logprobs instead: chunks of that size, and backward recomputes the logits. The reference head, when given as hidden states and weight, runs
+through fused_linear_token_logprobs under no_grad in the same call.
 
 Conventions (TRL's concatenated batch):
 * Paired losses take chosen and rejected sequences stacked along dim 0: hidden [2B, T, H] and
@@ -54,6 +57,7 @@ from fuseforge.ops._loss_args import IGNORE_INDEX
 from fuseforge.ops.token_logprobs import (
     check_lm_head_inputs,
     check_reference_inputs,
+    fused_linear_sequence_objective,
     fused_linear_token_logprobs,
     reference_token_logprobs,
 )
@@ -192,10 +196,43 @@ def _check_reference(loss_name, hidden, weight, ref_logps, ref_hidden, ref_weigh
     )
 
 
-def _sequence_logps(hidden, weight, target, bias, ignore_index, chunk_size):
-    """Policy per-sequence log-prob sums [N] (differentiable) and target-token counts [N] (fp32)."""
-    token = fused_linear_token_logprobs(hidden, weight, target, bias, ignore_index=ignore_index, chunk_size=chunk_size)
-    return token, token.sum(-1), (target != ignore_index).sum(-1).to(torch.float32)
+def _side_by_side(x: torch.Tensor, n_pairs: int) -> torch.Tensor:
+    """[chosen; rejected] stacked rows -> rows c0, r0, c1, r1, ... (a copy; differentiable)."""
+    return torch.stack((x[:n_pairs], x[n_pairs:]), 1).reshape(x.shape)
+
+
+def _stacked(x: torch.Tensor, n_pairs: int) -> torch.Tensor:
+    """The inverse of _side_by_side."""
+    return x.reshape(n_pairs, 2, *x.shape[1:]).transpose(0, 1).reshape(x.shape)
+
+
+def _objective(hidden, weight, target, bias, ignore_index, chunk_size, group_loss, group_size):
+    """(the summed group_loss, the token log-probs [N, T]) of the policy head.
+
+    One sweep with whole groups per chunk (fused_linear_sequence_objective), unless chunk_size caps the
+    logits below one group's tokens (very long sequences): then the token log-probs come from
+    fused_linear_token_logprobs, whose backward recomputes the logits (one more GEMM), and group_loss
+    takes the whole batch at once."""
+    if chunk_size is not None and chunk_size < group_size * target.shape[1]:
+        token = fused_linear_token_logprobs(hidden, weight, target, bias, ignore_index=ignore_index,
+                                            chunk_size=chunk_size)
+        return group_loss(token, 0), token.detach()
+    return fused_linear_sequence_objective(hidden, weight, target, group_loss, bias, group_size=group_size,
+                                           ignore_index=ignore_index, chunk_size=chunk_size)
+
+
+def _pair_objective(hidden, weight, target, bias, ignore_index, chunk_size, n_pairs, pair_loss):
+    """(mean over pairs of pair_loss, the policy's token log-probs [2B, T] in the stacked order).
+
+    pair_loss(chosen [k, T], rejected [k, T], pairs: slice) -> [k] losses of pairs `pairs` from their
+    token log-probs (fp32, 0 at ignored tokens); a chunk of logits holds whole pairs (see _objective)."""
+    def group_loss(logps: torch.Tensor, first: int) -> torch.Tensor:
+        pairs = slice(first // 2, first // 2 + logps.shape[0] // 2)
+        return pair_loss(logps[0::2], logps[1::2], pairs).sum() / n_pairs
+
+    loss, token = _objective(_side_by_side(hidden, n_pairs), weight, _side_by_side(target, n_pairs), bias,
+                             ignore_index, chunk_size, group_loss, group_size=2)
+    return loss, _stacked(token, n_pairs)
 
 
 def _reference_sums(target, ref_logps, ref_hidden, ref_weight, ref_bias, ignore_index, chunk_size):
@@ -230,22 +267,13 @@ def _check_nll_target(nll_target, target, ignore_index):
         raise ValueError("nll_target and target disagree at a position where both hold a token")
 
 
-def _chosen_nll(token_logps, mask, n_pairs) -> torch.Tensor:
-    """Mean negative log-likelihood of the chosen half's `mask`ed tokens, pooled (0 if there are none)."""
-    chosen_mask = mask[:n_pairs].to(torch.float32)
-    return -(token_logps[:n_pairs] * chosen_mask).sum() / chosen_mask.sum().clamp(min=1.0)
-
-
-def _policy_with_nll(hidden, weight, target, bias, nll_target, ignore_index, chunk_size, n_pairs):
-    """Policy token log-probs (one pass serving the preference term and the NLL term), the sums/counts
-    over `target`, and the chosen NLL over `nll_target` (default: target)."""
+def _nll_parts(target, nll_target, ignore_index, n_pairs):
+    """The head's targets (target, else nll_target where only it holds a token), the preference mask, the
+    chosen NLL mask [B, T] (fp32) and the pooled count of its tokens (at least 1)."""
     mask = target != ignore_index
     head_target = target if nll_target is None else torch.where(mask, target, nll_target)
-    token = fused_linear_token_logprobs(hidden, weight, head_target, bias, ignore_index=ignore_index,
-                                        chunk_size=chunk_size)
-    nll_mask = mask if nll_target is None else nll_target != ignore_index
-    sums = (token * mask).sum(-1)
-    return sums, mask.sum(-1).to(torch.float32), _chosen_nll(token, nll_mask, n_pairs)
+    nll_mask = (mask if nll_target is None else nll_target != ignore_index)[:n_pairs].to(torch.float32)
+    return head_target, mask, nll_mask, nll_mask.sum().clamp(min=1.0)
 
 
 # ------------------------------------------------------------------------------------ losses
@@ -275,27 +303,32 @@ def fused_linear_dpo_loss(
     n_pairs = _check_policy(hidden, weight, bias, target, ignore_index, paired=True)
     _check_reference("DPO", hidden, weight, ref_logps, ref_hidden, ref_weight, ref_bias)
 
-    _, sums, counts = _sequence_logps(hidden, weight, target, bias, ignore_index, chunk_size)
     ref_sums = _reference_sums(target, ref_logps, ref_hidden, ref_weight, ref_bias, ignore_index, chunk_size)
+    counts = (target != ignore_index).sum(-1).to(torch.float32).clamp(min=1.0)
+
+    def pair_loss(chosen, rejected, pairs):
+        chosen_lr = chosen.sum(-1) - ref_sums[:n_pairs][pairs]
+        rejected_lr = rejected.sum(-1) - ref_sums[n_pairs:][pairs]
+        margin = chosen_lr - rejected_lr
+        if loss_type == "sigmoid":
+            return _smoothed_sigmoid_loss(beta * margin, ls)
+        if loss_type == "hinge":
+            return torch.relu(1.0 - beta * margin)
+        if loss_type == "ipo":  # per-token averages: TRL's normalisation of IPO
+            avg = chosen_lr / counts[:n_pairs][pairs] - rejected_lr / counts[n_pairs:][pairs]
+            return (avg - 1.0 / (2.0 * beta)) ** 2
+        # robust (Chowdhury et al. 2024): unbiased under label flips with probability ls
+        return ((1.0 - ls) * -F.logsigmoid(beta * margin) + ls * F.logsigmoid(-beta * margin)) / (1.0 - 2.0 * ls)
+
+    loss, token = _pair_objective(hidden, weight, target, bias, ignore_index, chunk_size, n_pairs, pair_loss)
+    sums = token.sum(-1)
     logratios = sums - ref_sums
-    chosen_lr, rejected_lr = logratios[:n_pairs], logratios[n_pairs:]
-    margin = chosen_lr - rejected_lr
-    if loss_type == "sigmoid":
-        per_pair = _smoothed_sigmoid_loss(beta * margin, ls)
-    elif loss_type == "hinge":
-        per_pair = torch.relu(1.0 - beta * margin)
-    elif loss_type == "ipo":
-        avg = logratios / counts.clamp(min=1.0)  # per-token average: TRL's normalisation of IPO
-        per_pair = (avg[:n_pairs] - avg[n_pairs:] - 1.0 / (2.0 * beta)) ** 2
-    else:  # robust (Chowdhury et al. 2024): unbiased under label flips with probability ls
-        per_pair = ((1.0 - ls) * -F.logsigmoid(beta * margin) + ls * F.logsigmoid(-beta * margin)) / (1.0 - 2.0 * ls)
-    sums = sums.detach()
     return PreferenceOutput(
-        loss=per_pair.mean(),
+        loss=loss,
         chosen_logps=sums[:n_pairs],
         rejected_logps=sums[n_pairs:],
-        chosen_rewards=beta * chosen_lr.detach(),
-        rejected_rewards=beta * rejected_lr.detach(),
+        chosen_rewards=beta * logratios[:n_pairs],
+        rejected_rewards=beta * logratios[n_pairs:],
     )
 
 
@@ -324,29 +357,41 @@ def fused_linear_cpo_loss(
     n_pairs = _check_policy(hidden, weight, bias, target, ignore_index, paired=True)
     _check_nll_target(nll_target, target, ignore_index)
 
-    sums, counts, nll = _policy_with_nll(hidden, weight, target, bias, nll_target, ignore_index, chunk_size, n_pairs)
-    logps = sums / counts.clamp(min=1.0) if loss_type in ("ipo", "simpo") else sums
-    h = logps[:n_pairs] - logps[n_pairs:]
-    if loss_type == "simpo":
-        per_pair = _smoothed_sigmoid_loss(beta * (h - simpo_gamma / beta), ls)
-    elif loss_type == "sigmoid":
-        per_pair = _smoothed_sigmoid_loss(beta * h, ls)
-    elif loss_type == "hinge":
-        per_pair = torch.relu(1.0 - beta * h)
-    else:  # ipo on averaged log-probs
-        per_pair = (h - 1.0 / (2.0 * beta)) ** 2
-    if cpo_alpha:
-        loss = per_pair.mean() + cpo_alpha * nll
-    else:  # TRL neither adds nor reports the NLL then
-        loss, nll = per_pair.mean(), torch.zeros_like(nll)
-    logps = logps.detach()
+    head_target, mask, nll_mask, nll_count = _nll_parts(target, nll_target, ignore_index, n_pairs)
+    counts = mask.sum(-1).to(torch.float32).clamp(min=1.0)
+    averaged = loss_type in ("ipo", "simpo")
+
+    def pair_loss(chosen, rejected, pairs):
+        c = (chosen * mask[:n_pairs][pairs]).sum(-1)
+        r = (rejected * mask[n_pairs:][pairs]).sum(-1)
+        if averaged:
+            c, r = c / counts[:n_pairs][pairs], r / counts[n_pairs:][pairs]
+        h = c - r
+        if loss_type == "simpo":
+            per_pair = _smoothed_sigmoid_loss(beta * (h - simpo_gamma / beta), ls)
+        elif loss_type == "sigmoid":
+            per_pair = _smoothed_sigmoid_loss(beta * h, ls)
+        elif loss_type == "hinge":
+            per_pair = torch.relu(1.0 - beta * h)
+        else:  # ipo on averaged log-probs
+            per_pair = (h - 1.0 / (2.0 * beta)) ** 2
+        if cpo_alpha:  # the pooled chosen NLL, this chunk's share (per pair, it sums to the whole)
+            per_pair = per_pair - cpo_alpha * n_pairs * (chosen * nll_mask[pairs]).sum(-1) / nll_count
+        return per_pair
+
+    loss, token = _pair_objective(hidden, weight, head_target, bias, ignore_index, chunk_size, n_pairs, pair_loss)
+    logps = (token * mask).sum(-1)
+    if averaged:
+        logps = logps / counts
+    # TRL neither adds nor reports the NLL when cpo_alpha is 0
+    nll = -(token[:n_pairs] * nll_mask).sum() / nll_count if cpo_alpha else torch.zeros((), device=token.device)
     return PreferenceOutput(
         loss=loss,
         chosen_logps=logps[:n_pairs],
         rejected_logps=logps[n_pairs:],
         chosen_rewards=beta * logps[:n_pairs],
         rejected_rewards=beta * logps[n_pairs:],
-        extra={"nll_loss": nll.detach()},
+        extra={"nll_loss": nll},
     )
 
 
@@ -397,30 +442,37 @@ def fused_linear_orpo_loss(
     n_pairs = _check_policy(hidden, weight, bias, target, ignore_index, paired=True)
     _check_nll_target(nll_target, target, ignore_index)
 
-    sums, counts, nll = _policy_with_nll(hidden, weight, target, bias, nll_target, ignore_index, chunk_size, n_pairs)
-    avg = sums / counts.clamp(min=1.0)
-    chosen, rejected = avg[:n_pairs], avg[n_pairs:]
-    # An empty sequence has average 0 (probability 1): infinite odds. Such a pair gets no odds-ratio term,
-    # and its inputs are replaced before the log so that no inf reaches the backward pass.
-    has_odds = (counts[:n_pairs] > 0) & (counts[n_pairs:] > 0)
-    safe_c = torch.where(has_odds, chosen, -1.0)
-    safe_r = torch.where(has_odds, rejected, -1.0)
-    log_odds = (safe_c - safe_r) - (log1mexp(safe_c) - log1mexp(safe_r))
-    ratio = torch.where(has_odds, F.logsigmoid(log_odds), 0.0)
-    log_odds = torch.where(has_odds, log_odds, 0.0)
-    loss = nll - beta * ratio.mean()
-    avg = avg.detach()
+    head_target, mask, nll_mask, nll_count = _nll_parts(target, nll_target, ignore_index, n_pairs)
+    counts = mask.sum(-1).to(torch.float32)
+
+    def odds(chosen_avg, rejected_avg, has_odds):
+        """(log sig(log odds ratio), log odds ratio), 0 for a pair without odds."""
+        # An empty sequence has average 0 (probability 1): infinite odds. Such a pair gets no odds-ratio term,
+        # and its inputs are replaced before the log so that no inf reaches the backward pass.
+        safe_c = torch.where(has_odds, chosen_avg, -1.0)
+        safe_r = torch.where(has_odds, rejected_avg, -1.0)
+        log_odds = (safe_c - safe_r) - (log1mexp(safe_c) - log1mexp(safe_r))
+        return torch.where(has_odds, F.logsigmoid(log_odds), 0.0), torch.where(has_odds, log_odds, 0.0)
+
+    def pair_loss(chosen, rejected, pairs):
+        c_count, r_count = counts[:n_pairs][pairs], counts[n_pairs:][pairs]
+        c = (chosen * mask[:n_pairs][pairs]).sum(-1) / c_count.clamp(min=1.0)
+        r = (rejected * mask[n_pairs:][pairs]).sum(-1) / r_count.clamp(min=1.0)
+        ratio, _ = odds(c, r, (c_count > 0) & (r_count > 0))
+        nll_share = -n_pairs * (chosen * nll_mask[pairs]).sum(-1) / nll_count
+        return nll_share - beta * ratio
+
+    loss, token = _pair_objective(hidden, weight, head_target, bias, ignore_index, chunk_size, n_pairs, pair_loss)
+    avg = (token * mask).sum(-1) / counts.clamp(min=1.0)
+    ratio, log_odds = odds(avg[:n_pairs], avg[n_pairs:], (counts[:n_pairs] > 0) & (counts[n_pairs:] > 0))
+    nll = -(token[:n_pairs] * nll_mask).sum() / nll_count
     return PreferenceOutput(
         loss=loss,
         chosen_logps=avg[:n_pairs],
         rejected_logps=avg[n_pairs:],
         chosen_rewards=beta * avg[:n_pairs],
         rejected_rewards=beta * avg[n_pairs:],
-        extra={
-            "nll_loss": nll.detach(),
-            "log_odds_ratio": ratio.detach().mean(),
-            "log_odds_chosen": log_odds.detach().mean(),
-        },
+        extra={"nll_loss": nll, "log_odds_ratio": ratio.mean(), "log_odds_chosen": log_odds.mean()},
     )
 
 
@@ -479,20 +531,25 @@ def fused_linear_kto_loss(
     else:
         kl_value = torch.zeros((), dtype=torch.float32, device=hidden.device)
 
-    _, sums, _ = _sequence_logps(hidden, weight, target, bias, ignore_index, chunk_size)
     ref_sums = _reference_sums(target, ref_logps, ref_hidden, ref_weight, ref_bias, ignore_index, chunk_size)
-    logratios = sums - ref_sums
-    if loss_type == "kto":
-        good = 1.0 - torch.sigmoid(beta * (logratios - kl_value))
-        bad = 1.0 - torch.sigmoid(beta * (kl_value - logratios))
-    else:
-        good = 1.0 - torch.sigmoid(beta * logratios)
-        bad = torch.sigmoid(beta * logratios)
-    per_seq = torch.where(desirable, desirable_weight * good, undesirable_weight * bad)
+
+    def sequence_loss(logps, first):
+        rows = slice(first, first + logps.shape[0])
+        logratios = logps.sum(-1) - ref_sums[rows]
+        if loss_type == "kto":
+            good = 1.0 - torch.sigmoid(beta * (logratios - kl_value))
+            bad = 1.0 - torch.sigmoid(beta * (kl_value - logratios))
+        else:
+            good = 1.0 - torch.sigmoid(beta * logratios)
+            bad = torch.sigmoid(beta * logratios)
+        return torch.where(desirable[rows], desirable_weight * good, undesirable_weight * bad).sum() / n
+
+    loss, token = _objective(hidden, weight, target, bias, ignore_index, chunk_size, sequence_loss, group_size=1)
+    sums = token.sum(-1)
     return KTOOutput(
-        loss=per_seq.mean(),
-        logps=sums.detach(),
-        rewards=beta * logratios.detach(),
+        loss=loss,
+        logps=sums,
+        rewards=beta * (sums - ref_sums),
         desirable=desirable,
         kl=kl_value,
     )

@@ -136,10 +136,13 @@ def _coefficients(token_loss: TokenLoss, nll: torch.Tensor, valid: torch.Tensor,
     logp = (-nll[rows]).requires_grad_(need_grad)
     with torch.enable_grad():  # autograd.Function.forward runs without grad mode
         value = token_loss(logp, rows)
-        if value.shape != logp.shape:
+        if value.dim() == 0:  # the loss of whole sequences (fused_linear_sequence_objective)
+            total += value.detach().to(torch.float32)
+        elif value.shape != logp.shape:
             raise ValueError(f"token_loss must return one value per token, shape {tuple(logp.shape)}, "
                              f"got {tuple(value.shape)}")
-        total += torch.where(valid[rows], value.detach(), 0.0).sum(dtype=torch.float32)
+        else:
+            total += torch.where(valid[rows], value.detach(), 0.0).sum(dtype=torch.float32)
         if not need_grad:
             return None
         if not value.requires_grad:
@@ -148,12 +151,11 @@ def _coefficients(token_loss: TokenLoss, nll: torch.Tensor, valid: torch.Tensor,
     return (-dlogp).to(torch.float32).contiguous()
 
 
-def _first_block_in_grad_weight(hidden, weight, bias, target, opts, grads, stats, slice_rows) -> int:
+def _first_block_in_grad_weight(hidden, weight, bias, target, opts, grads, stats, slice_rows, n0) -> int:
     """fused_linear_cross_entropy's first-block layout (its _first_block_in_grad_weight explains why
-    it is safe): the first min(N, H) tokens' logits live, vocab-major, at the end of grad_weight's
+    it is safe): the first n0 <= min(N, H) tokens' logits live, vocab-major, at the end of grad_weight's
     storage; here the per-token scale is computed between the statistics and the gradient."""
     n_vocab, n_hidden = weight.shape
-    n0 = min(hidden.shape[0], n_hidden)
     logits_t = grads.weight.view(-1)[n_vocab * (n_hidden - n0):].view(n_vocab, n0)
     h0 = hidden[:n0]
     if bias is None:
@@ -195,16 +197,20 @@ class _ChunkStats:
         return _coefficients(self.token_loss, self.nll, self.valid, self.total, rows, self.need_grad)
 
 
-def _objective_sweep(hidden, weight, bias, target, opts, token_loss, wanted: _Wanted, chunk: int):
-    """One pass: the summed token loss, log-probs, and (if wanted) the gradients of the loss."""
+def _objective_sweep(hidden, weight, bias, target, opts, token_loss, wanted: _Wanted, chunk: int, align: int = 1):
+    """One pass: the summed token loss, log-probs, and (if wanted) the gradients of the loss.
+
+    Every chunk (and the first block) starts at a multiple of `align` tokens: token_loss then sees
+    whole sequences (or groups of them) when align is their length."""
     n_tokens, n_hidden = hidden.shape
     n_vocab = weight.shape[0]
     grads = _Gradients(hidden, weight, bias, wanted) if wanted.any else None
     stats = _ChunkStats(n_tokens, hidden.device, target, opts, token_loss, grads is not None)
     start = 0
-    if grads is not None and grads.weight is not None and min(n_tokens, n_hidden) > chunk:
+    first = min(n_tokens, n_hidden) // align * align
+    if grads is not None and grads.weight is not None and first > chunk:
         slice_rows = _round_rows(max(1, chunk * n_vocab // n_hidden))
-        start = _first_block_in_grad_weight(hidden, weight, bias, target, opts, grads, stats, slice_rows)
+        start = _first_block_in_grad_weight(hidden, weight, bias, target, opts, grads, stats, slice_rows, first)
     if start < n_tokens:
         scratch = hidden.new_empty(min(chunk, n_tokens - start), n_vocab)
         for s in range(start, n_tokens, chunk):
@@ -226,10 +232,11 @@ def _objective_sweep(hidden, weight, bias, target, opts, token_loss, wanted: _Wa
 
 class _TokenObjectiveFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, opts, token_loss, chunk, grad_enabled):
+    def forward(ctx, hidden, weight, bias, target, opts, token_loss, chunk, grad_enabled, align=1):
         wanted = _Wanted(*(grad_enabled and bool(n) for n in ctx.needs_input_grad[:3]))
         with torch.autocast(hidden.device.type, enabled=False):
-            total, logps, grads = _objective_sweep(hidden, weight, bias, target, opts, token_loss, wanted, chunk)
+            total, logps, grads = _objective_sweep(hidden, weight, bias, target, opts, token_loss, wanted, chunk,
+                                                   align)
         ctx.has_grads = grads is not None
         if grads is not None:
             ctx.save_for_backward(grads.hidden, grads.weight, grads.bias)
@@ -241,11 +248,11 @@ class _TokenObjectiveFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_total, _grad_logps):
         if grad_total is None or not ctx.has_grads:
-            return (None,) * 8
+            return (None,) * 9
         raise_pending_target_errors()
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         scale_unless_one((grad_hidden, grad_weight, grad_bias), grad_total)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def fused_linear_token_objective(
@@ -291,6 +298,65 @@ def fused_linear_token_objective(
         token_loss,
         chunk,
         torch.is_grad_enabled(),
+    )
+    return total, logps.view(target.shape)
+
+
+# group_loss(logps [k * group_size, T] fp32, first: int) -> 0-dim: the loss of sequences first .. first + k*group_size - 1.
+GroupLoss = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def fused_linear_sequence_objective(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    group_loss: GroupLoss,
+    bias: torch.Tensor | None = None,
+    *,
+    group_size: int = 1,
+    ignore_index: int = IGNORE_INDEX,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the sum of group_loss over groups of `group_size` consecutive sequences, per-token log-probs), in one
+    sweep with the gradients computed in forward (3 GEMMs, as fused_linear_token_objective).
+
+    For losses of per-sequence statistics (DPO's log-prob sums, KTO's): each chunk holds whole groups (a
+    DPO pair is a group of 2 when chosen and rejected rows alternate), so d loss / d logp of its tokens
+    is known from the chunk alone. hidden [N, T, H], target [N, T]; group_loss(logps, first) gets the
+    fp32 log-probs [k * group_size, T] of sequences first, first + 1, ... (0 at ignored tokens) and
+    returns their loss as a 0-dim tensor, differentiably; the groups of one call must not interact.
+    Chunks hold at least one group (group_size * T tokens of logits, whatever chunk_size says).
+    """
+    check_lm_head_inputs(hidden, weight, bias, target, ndim=3)
+    if not callable(group_loss):
+        raise TypeError(f"group_loss must be callable, got {type(group_loss).__name__}")
+    n_seqs, seq_len = target.shape
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or n_seqs % group_size:
+        raise ValueError(f"group_size must be a positive integer dividing the {n_seqs} sequences, got {group_size!r}")
+    ignore_index = check_int64("ignore_index", ignore_index)
+    hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
+    n_vocab, n_hidden = weight.shape
+    align = group_size * seq_len
+    chunk = check_chunk_size(chunk_size) or default_chunk_tokens(
+        n_vocab, hidden.element_size(), hidden.numel() * hidden.element_size()
+    )
+    chunk = max(align, chunk // align * align)
+    flat_target = target.reshape(-1).to(torch.int64).contiguous()
+    scan_targets(flat_target, n_vocab, ignore_index, "fused_linear_sequence_objective")
+
+    def token_loss(logp: torch.Tensor, rows: slice) -> torch.Tensor:
+        return group_loss(logp.view(-1, seq_len), rows.start // seq_len)
+
+    total, logps = _TokenObjectiveFunction.apply(
+        hidden.reshape(-1, n_hidden).contiguous(),
+        weight.contiguous(),
+        None if bias is None else bias.contiguous(),
+        flat_target,
+        LossOptions(ignore_index=ignore_index),
+        token_loss,
+        chunk,
+        torch.is_grad_enabled(),
+        align,
     )
     return total, logps.view(target.shape)
 
