@@ -27,6 +27,13 @@ PRESETS = {
     "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192, vocab_size=128256),
     "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
     "qwen2-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960, vocab_size=151936),
+    # Qwen3-30B-A3B's shape (128 experts, 8 active, expert width 768) with 4 of its 48 layers
+    "qwen3-moe-30b-a3b-4l": dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=4,
+                                 head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                                 num_experts_per_tok=8, vocab_size=151936),
+    # Qwen2.5-VL-7B's language model with 4 of its 28 layers (text-only batches: the vision tower stays idle)
+    "qwen2.5-vl-7b-4l": dict(hidden_size=3584, num_hidden_layers=4, num_attention_heads=28, num_key_value_heads=4,
+                             intermediate_size=18944, vocab_size=152064),
 }
 VARIANTS = ("eager", "liger", "fuseforge", "compile")
 
@@ -35,10 +42,18 @@ def build_model(preset: str, family: str):
     import torch
     import transformers
 
-    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
+    torch.manual_seed(0)
+    if family == "qwen2_5_vl":  # the image-text model: its language model trains on text-only batches
+        text = dict(PRESETS[preset], max_position_embeddings=8192, rope_theta=1000000.0, tie_word_embeddings=False,
+                    rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
+        config = transformers.Qwen2_5_VLConfig(text_config=text, tie_word_embeddings=False)
+        with torch.device("cuda"):
+            return transformers.AutoModelForImageTextToText.from_config(config, torch_dtype=torch.bfloat16,
+                                                                        attn_implementation="sdpa")
+    cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "qwen3_moe": transformers.Qwen3MoeConfig}[family]
     config = cfg_cls(**PRESETS[preset], max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
     return model
@@ -67,7 +82,8 @@ def apply_variant(model, variant: str):
     elif variant == "fuseforge":
         from fuseforge.transformers import apply_kernels
 
-        apply_kernels(model)
+        report = apply_kernels(model)
+        model._bench_note = "fused: " + ", ".join(sorted(set(report.patched_kernels())))
     elif variant == "compile":
         model = torch.compile(model)
     return model
@@ -106,6 +122,7 @@ def worker(args) -> dict:
     times.sort()
     median = times[len(times) // 2]
     return {
+        "note": getattr(model, "_bench_note", ""),
         "variant": args.variant,
         "step_ms": median * 1e3,
         "tokens_per_s": args.batch * args.seq / median,
@@ -157,7 +174,7 @@ def run_variant(args, variant: str) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="llama-1b", choices=sorted(PRESETS))
-    p.add_argument("--family", default="llama", choices=["llama", "qwen2"])
+    p.add_argument("--family", default="llama", choices=["llama", "qwen2", "qwen3_moe", "qwen2_5_vl"])
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10)
@@ -193,7 +210,7 @@ def main(argv=None) -> int:
         xe = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
         xl = f"{r['tokens_per_s'] / liger['tokens_per_s']:.2f}" if liger else "-"
         print(f"| {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {xe} | {xl} | {r['peak_gib']:.2f} | "
-              f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |")
+              f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |" + (f" {r['note']}" if r.get("note") else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)

@@ -21,8 +21,8 @@ ms: median of triton.testing.do_bench. extra MiB: peak torch.cuda.max_memory_all
 step above what was allocated before it, minus the gradient outputs every implementation must
 produce (d hidden, d weight); the raw number is extra.with_grad_outputs_mib. max abs err: of the
 loss against eager. TFLOP/s counts the minimal vocabulary GEMMs (policy logits, d hidden,
-d weight, reference logits); fuseforge's paired losses recompute the policy logits in backward
-(one more GEMM), its GRPO computes gradients in forward (none more).
+d weight, reference logits); fuseforge's preference losses compute the gradients in the forward sweep
+(whole pairs per chunk), as its GRPO does: no GEMM more.
 With --quick on the CPU each implementation runs once (no timing, no memory).
 """
 

@@ -61,6 +61,15 @@ for step in "$@"; do
         engine-llama1b) for k in kernels no-kernels; do STEP_TIMEOUT=240 run_step "$step-$k" python3 -m \
             fuseforge_flyte.training --model llama-1b --dataset bench:synthetic --steps 30 --batch-size 4 \
             --seq-len 2048 --dtype bf16 --$k --output "$OUT/engine-$k.json"; done ;;
+        tests-issue19b) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_preference_losses.py \
+            tests/test_grpo_loss.py tests/test_distillation.py tests/test_trainer_fused_losses.py tests/test_posttrain.py ;;
+        tests-issue20b) STEP_TIMEOUT=420 run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_rope.py \
+            tests/test_clamped_swiglu.py tests/test_transformers_tiny_models.py tests/test_transformers_patching.py \
+            tests/test_transformers_convergence.py tests/test_transformers_multimodal.py ;;
+        bench-moe) STEP_TIMEOUT=300 run_step "$step" python3 benchmarks/bench_model.py --preset qwen3-moe-30b-a3b-4l \
+            --family qwen3_moe --variants eager liger fuseforge --json "$OUT/moe.json" ;;
+        bench-vlm) STEP_TIMEOUT=300 run_step "$step" python3 benchmarks/bench_model.py --preset qwen2.5-vl-7b-4l \
+            --family qwen2_5_vl --variants eager liger fuseforge --json "$OUT/vlm.json" ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done

@@ -173,7 +173,8 @@ FUNCTIONAL_CASES = [
     case("rope-cos-batch", lambda c: _rope(c, q=c.randn(2, 4, 3, 8), k=c.randn(2, 2, 3, 8), cos=c.randn(3, 3, 8)), ValueError, "cos/sin must have shape .*batch=2"),
     case("rope-rotary-odd", lambda c: _rope(c, cos=c.randn(1, 3, 7)), ValueError, r"rotary_dim=7\) must be even"),
     case("rope-rotary-too-wide", lambda c: _rope(c, cos=c.randn(1, 3, 10)), ValueError, "rotary_dim=10.* <= q/k's head_dim=8"),
-    case("rope-layout-unknown", lambda c: _rope(c, layout="gptj"), ValueError, r"layout must be one of \('rotate_half', 'interleaved'\), got 'gptj'"),
+    case("rope-layout-unknown", lambda c: _rope(c, layout="gptj"), ValueError,
+         r"layout must be one of \('rotate_half', 'interleaved', 'interleaved_to_half'\), got 'gptj'"),
     case("rope-interleaved-rotary-odd", lambda c: _rope(c, cos=c.randn(1, 3, 5), layout="interleaved"), ValueError, r"rotary_dim=5\) must be even"),
     case("rope-interleaved-q-k-dtype", lambda c: _rope(c, k=c.randn(1, 2, 3, 8, dtype=FP16), layout="interleaved"), TypeError, "k has dtype torch.float16 but q has dtype torch.float32"),
     # swiglu / geglu
@@ -185,6 +186,14 @@ FUNCTIONAL_CASES = [
     case("swiglu-other-device", lambda c: F.swiglu(c.randn(3, 8), torch.ones(3, 8, device="meta")), ValueError, "up is on meta but gate is on"),
     case("geglu-approximate", lambda c: F.geglu(c.randn(3, 8), c.randn(3, 8), approximate="erf"), ValueError, "approximate must be one of .*got 'erf'"),
     case("geglu-shape", lambda c: F.geglu(c.randn(3, 8), c.randn(2, 8)), ValueError, "gate .* and up .* must have the same shape"),
+    # clamped_swiglu (GPT-OSS experts)
+    case("clamped_swiglu-odd", lambda c: F.clamped_swiglu(c.randn(3, 7), 1.702, 7.0), ValueError, r"gate_up's last dim must be even .*\(3, 7\)"),
+    case("clamped_swiglu-int", lambda c: F.clamped_swiglu(c.ints(3, 3, 8), 1.702, 7.0), TypeError, "gate_up must have dtype in"),
+    case("clamped_swiglu-not-tensor", lambda c: F.clamped_swiglu(None, 1.702, 7.0), TypeError, "gate_up must be a torch.Tensor, got NoneType"),
+    case("clamped_swiglu-layout", lambda c: F.clamped_swiglu(c.randn(3, 8), 1.702, 7.0, layout="halves"), ValueError, "layout must be one of .*got 'halves'"),
+    case("clamped_swiglu-limit-negative", lambda c: F.clamped_swiglu(c.randn(3, 8), 1.702, -1.0), ValueError, r"limit must be >= 0 \(math.inf: no clamp\), got -1.0"),
+    case("clamped_swiglu-alpha-nan", lambda c: F.clamped_swiglu(c.randn(3, 8), NAN, 7.0), ValueError, "alpha must be finite, got nan"),
+    case("clamped_swiglu-alpha-tensor", lambda c: F.clamped_swiglu(c.randn(3, 8), torch.tensor(1.7), 7.0), TypeError, "alpha must be a float, got Tensor"),
     # cross_entropy
     case("cross_entropy-target-float", lambda c: _ce(c, target=c.randn(3)), TypeError, "target must hold integer class indices .*got dtype torch.float32"),
     case("cross_entropy-target-nan", lambda c: _ce(c, target=torch.tensor([0.0, NAN, 1.0], device=c.device)), TypeError, _NAN_TARGET),

@@ -14,7 +14,9 @@ def rope_reference(q, k, cos, sin, unsqueeze_dim=1, layout="rotate_half"):
     """HF's formula in float64: x_rot * cos + rotate_half(x_rot) * sin, the rest passed through.
 
     layout="interleaved" is GLM-4's: cos/sin[..., :Dr/2] repeat-interleaved, and rotate_half
-    turning each pair (x[2i], x[2i+1]) into (-x[2i+1], x[2i]).
+    turning each pair (x[2i], x[2i+1]) into (-x[2i+1], x[2i]). layout="interleaved_to_half" is
+    DeepSeek-V3's: the rotary dims de-interleaved (x[0::2], then x[1::2]), then Llama's formula
+    with cos/sin[..., :Dr/2] for both halves.
     """
     cos = cos.double().unsqueeze(unsqueeze_dim)
     sin = sin.double().unsqueeze(unsqueeze_dim)
@@ -23,6 +25,9 @@ def rope_reference(q, k, cos, sin, unsqueeze_dim=1, layout="rotate_half"):
     if layout == "interleaved":
         cos = cos[..., :half].repeat_interleave(2, dim=-1)
         sin = sin[..., :half].repeat_interleave(2, dim=-1)
+    elif layout == "interleaved_to_half":
+        cos = torch.cat((cos[..., :half], cos[..., :half]), dim=-1)
+        sin = torch.cat((sin[..., :half], sin[..., :half]), dim=-1)
 
     def rotate(rot):
         if layout == "interleaved":
@@ -32,6 +37,8 @@ def rope_reference(q, k, cos, sin, unsqueeze_dim=1, layout="rotate_half"):
     def apply(x):
         x = x.double()
         rot, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+        if layout == "interleaved_to_half":
+            rot = torch.cat((rot[..., 0::2], rot[..., 1::2]), dim=-1)
         return torch.cat((rot * cos + rotate(rot) * sin, passed), dim=-1)
 
     return apply(q), apply(k)
@@ -226,7 +233,11 @@ def _valid(device):
         ),
         (lambda a: dict(a, unsqueeze_dim=3), ValueError, "unsqueeze_dim must be 1"),
         (lambda a: dict(a, unsqueeze_dim=1.0), TypeError, "unsqueeze_dim must be an int"),
-        (lambda a: dict(a, layout="pairs"), ValueError, r"one of \('rotate_half', 'interleaved'\), got 'pairs'"),
+        (
+            lambda a: dict(a, layout="pairs"),
+            ValueError,
+            r"one of \('rotate_half', 'interleaved', 'interleaved_to_half'\), got 'pairs'",
+        ),
         (lambda a: dict(a, layout=None), ValueError, "layout must be one of"),
         (
             lambda a: dict(a, cos=a["cos"][..., :31], sin=a["sin"][..., :31], layout="interleaved"),
@@ -250,23 +261,29 @@ def test_mixed_devices_rejected():
 # --- layout="interleaved" (GLM-4: pairs (x[2i], x[2i+1]), cos/sin[..., :Dr/2] repeat-interleaved) ---
 
 
+# Both layouts that read pairs (x[2i], x[2i+1]): GLM-4's, and DeepSeek-V3's, which writes them as halves.
+PAIR_LAYOUTS = ["interleaved", "interleaved_to_half"]
+
+
+@pytest.mark.parametrize("pairs", PAIR_LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (16, 8), (80, 40), (96, 34)], ids=lambda v: str(v))
-def test_interleaved_head_dims_and_partial_rotary(device, dtype, head_dim, rotary_dim):
+def test_interleaved_head_dims_and_partial_rotary(device, dtype, head_dim, rotary_dim, pairs):
     """Ragged sizes: 7 tokens, 6/3 heads, Dr/2 = 17 (not a power of two), pass-through tails."""
     q, k = make_qk(2, 7, 6, 3, head_dim, dtype, device)
     cos, sin = make_cos_sin(1, 7, rotary_dim, dtype, device)
-    check_against_reference(q, k, cos, sin, dtype, layout="interleaved")
+    check_against_reference(q, k, cos, sin, dtype, layout=pairs)
 
 
+@pytest.mark.parametrize("pairs", PAIR_LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(
     "layout,unsqueeze_dim", [("contiguous", 1), ("fused_qkv", 1), ("hf", 1), ("bthd", 2)]
 )
-def test_interleaved_layouts_gqa_and_cos_batch(device, dtype, layout, unsqueeze_dim):
+def test_interleaved_layouts_gqa_and_cos_batch(device, dtype, layout, unsqueeze_dim, pairs):
     q, k = make_qk(3, 5, 4, 1, 48, dtype, device, layout)
     cos, sin = make_cos_sin(3, 5, 24, dtype, device)
-    check_against_reference(q, k, cos, sin, dtype, unsqueeze_dim=unsqueeze_dim, layout="interleaved")
+    check_against_reference(q, k, cos, sin, dtype, unsqueeze_dim=unsqueeze_dim, layout=pairs)
 
 
 @pytest.mark.parametrize("tile", [64, 512])
@@ -301,13 +318,21 @@ def test_interleaved_pairing_is_not_rotate_half(device):
     assert torch.equal(q_int[..., 16:], q.detach()[..., 16:])
 
 
-def test_interleaved_gradcheck_float64(device):
+@pytest.mark.parametrize("pairs", PAIR_LAYOUTS)
+def test_interleaved_gradcheck_float64(device, pairs):
     q = torch.randn(1, 2, 2, 6, dtype=torch.float64, device=device).transpose(1, 2).requires_grad_()
     k = torch.randn(1, 1, 2, 6, dtype=torch.float64, device=device, requires_grad=True)
     cos, sin = make_cos_sin(1, 2, 4, torch.float64, device)
-    assert torch.autograd.gradcheck(
-        lambda q, k: rope(q, k, cos, sin, layout="interleaved"), (q, k), fast_mode=True
-    )
+    assert torch.autograd.gradcheck(lambda q, k: rope(q, k, cos, sin, layout=pairs), (q, k), fast_mode=True)
+
+
+def assert_same_as_transformers(ours, theirs, inputs):
+    """Outputs (q, k) and the gradients they send to `inputs` agree with transformers' function."""
+    for a, b in zip(ours, theirs):
+        assert_close(a, b, torch.float32)
+    grads = torch.randn_like(ours[0]), torch.randn_like(ours[1])
+    for a, b in zip(torch.autograd.grad(ours, inputs, grads), torch.autograd.grad(theirs, inputs, grads)):
+        assert_close(a, b, torch.float32)
 
 
 def test_interleaved_matches_transformers_glm4(device):
@@ -320,12 +345,40 @@ def test_interleaved_matches_transformers_glm4(device):
     position_ids = torch.arange(3, 12, device=device).expand(2, -1)
     cos, sin = Glm4RotaryEmbedding(config).to(device)(q, position_ids)
     assert cos.shape[-1] < 32  # partial rotary
-    q_out, k_out = rope(q, k, cos, sin, layout="interleaved")
-    q_hf, k_hf = apply_rotary_pos_emb(q, k, cos, sin)
-    assert_close(q_out, q_hf, torch.float32)
-    assert_close(k_out, k_hf, torch.float32)
-    grads = torch.randn_like(q_out), torch.randn_like(k_out)
-    for ours, theirs in zip(
-        torch.autograd.grad((q_out, k_out), (q, k), grads), torch.autograd.grad((q_hf, k_hf), (q, k), grads)
-    ):
-        assert_close(ours, theirs, torch.float32)
+    ours = rope(q, k, cos, sin, layout="interleaved")
+    assert_same_as_transformers(ours, apply_rotary_pos_emb(q, k, cos, sin), (q, k))
+
+
+# --- layout="interleaved_to_half" (DeepSeek-V3 rope_interleave: pairs (x[2i], x[2i+1]) in, halves out) ---
+
+
+def test_interleaved_to_half_is_neither_other_layout(device):
+    """Pairs are read interleaved and written in halves: one pair by hand, and both other layouts differ."""
+    q, k = make_qk(1, 4, 2, 1, 32, torch.float32, device, "contiguous")
+    cos, sin = make_cos_sin(1, 4, 16, torch.float32, device)
+    q_out, _ = rope(q, k, cos, sin, layout="interleaved_to_half")
+    for other in ("rotate_half", "interleaved"):
+        assert not torch.allclose(q_out, rope(q, k, cos, sin, layout=other)[0], atol=1e-3)
+    x, c, s = q[0, 0, 2].detach(), cos[0, 2, 1], sin[0, 2, 1]  # pair 1 = (x[2], x[3]) -> out[1], out[9]
+    assert torch.allclose(q_out[0, 0, 2, 1], x[2] * c - x[3] * s, atol=1e-5)
+    assert torch.allclose(q_out[0, 0, 2, 9], x[3] * c + x[2] * s, atol=1e-5)
+    assert torch.equal(q_out[..., 16:], q.detach()[..., 16:])
+
+
+def test_interleaved_to_half_matches_transformers_deepseek_v3(device):
+    """Real DeepSeek-V3 cos/sin against transformers' apply_rotary_pos_emb_interleave, on MLA's
+    shapes: q_rot split off the end of each head (strided), k_rot one shared head."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3RotaryEmbedding,
+        apply_rotary_pos_emb_interleave,
+    )
+
+    config = DeepseekV3Config(hidden_size=64, num_attention_heads=4, qk_rope_head_dim=16, qk_nope_head_dim=8)
+    q_states = torch.randn(2, 9, 4, 24, device=device).transpose(1, 2).requires_grad_()
+    q = q_states[..., 8:]
+    k = torch.randn(2, 1, 9, 16, device=device, requires_grad=True)
+    position_ids = torch.arange(3, 12, device=device).expand(2, -1)
+    cos, sin = DeepseekV3RotaryEmbedding(config).to(device)(q, position_ids)
+    ours = rope(q, k, cos, sin, layout="interleaved_to_half")
+    assert_same_as_transformers(ours, apply_rotary_pos_emb_interleave(q, k, cos, sin), (q_states, k))

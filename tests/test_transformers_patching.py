@@ -56,7 +56,8 @@ def _outputs(model, batch):
     model.zero_grad(set_to_none=True)
     loss = model(**batch).loss
     loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    # Parameters off the loss's path (an image-text model's vision tower on text-only batches) have none.
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
@@ -79,9 +80,13 @@ def test_patch_keeps_weights_and_unpatch_restores_bit_exact_behaviour(family):
     ref = tiny_model(family, **experts)
     model = copy.deepcopy(ref)
     modeling = importlib.import_module(type(ref).__module__)
-    original_rope = modeling.apply_rotary_pos_emb
+    # Its RoPE globals: apply_rotary_pos_emb, DeepSeek-V3's apply_rotary_pos_emb_interleave, Llama 4's apply_rotary_emb.
+    original_ropes = {name: getattr(modeling, name) for name in rope_patch.GLOBAL_NAMES if hasattr(modeling, name)}
+    assert original_ropes
     params_before = {n: p for n, p in model.named_parameters()}
-    head_weight = model.lm_head.weight  # tied to the embedding in some families (not a named parameter then)
+    # Tied to the embedding in some families (not a named parameter then); Llama 4's image-text model keeps
+    # it in its language model.
+    head_weight = model.get_output_embeddings().weight
     expected = _outputs(ref, batch := synthetic_batches(1)[0])
 
     with warnings.catch_warnings():
@@ -89,8 +94,9 @@ def test_patch_keeps_weights_and_unpatch_restores_bit_exact_behaviour(family):
         report = ff.apply_kernels(model)
     assert ff.is_patched(model) and ff.get_patch_report(model) is report
     assert {n: p for n, p in model.named_parameters()} == params_before  # the same Parameter objects
-    assert model.lm_head.weight is head_weight
-    assert (modeling.apply_rotary_pos_emb is not original_rope) == ("rope" in report.patched)
+    assert model.get_output_embeddings().weight is head_weight
+    for name, original in original_ropes.items():
+        assert (getattr(modeling, name) is not original) == ("rope" in report.patched), name
     patched_loss, _, patched_logits = _outputs(model, batch)
     assert_close(patched_loss, expected[0], FP32)
     assert_close(patched_logits, expected[2], FP32)
@@ -101,10 +107,10 @@ def test_patch_keeps_weights_and_unpatch_restores_bit_exact_behaviour(family):
         assert type(module) is type(original), name
         assert "forward" not in module.__dict__ and "_loss_function" not in module.__dict__, name
         assert not [a for a in module.__dict__ if a.startswith("_fuseforge")], name
-    assert modeling.apply_rotary_pos_emb is original_rope
+    assert all(getattr(modeling, name) is original for name, original in original_ropes.items())
     loss, grads, logits = _outputs(model, batch)
     assert torch.equal(loss, expected[0]) and torch.equal(logits, expected[2])
-    assert all(torch.equal(grads[n], expected[1][n]) for n in grads)
+    assert grads.keys() == expected[1].keys() and all(torch.equal(grads[n], expected[1][n]) for n in grads)
 
 
 def test_patching_twice_is_harmless_and_new_flags_repatch():
@@ -149,6 +155,49 @@ def test_rope_dispatch_is_scoped_to_patched_models(rope_calls):
         ff.unpatch(first)
         ff.unpatch(second)
     assert modeling_llama.apply_rotary_pos_emb is ORIGINAL_LLAMA_ROPE
+
+
+def _half_width_inputs(dtype):
+    """GPT-OSS: q/k [B, H, T, D] and cos/sin [B, T, D/2] (each frequency once), YaRN-scaled."""
+    q, k = torch.randn(2, 4, 5, 16, dtype=dtype), torch.randn(2, 2, 5, 16, dtype=dtype)
+    angles = torch.randn(2, 5, 8) * 3
+    return (q, k), (angles.cos() * 1.2, angles.sin() * 1.2), {}
+
+
+def _single_inputs(dtype):
+    """Gemma 4: one [B, T, H, D] tensor, unsqueeze_dim=2, proportional cos/sin (zero frequencies past Dr/2)."""
+    freqs = torch.cat((torch.rand(2, 5, 4) * 10, torch.zeros(2, 5, 12)), dim=-1)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (torch.randn(2, 5, 4, 32, dtype=dtype),), (angles.cos(), angles.sin()), {"unsqueeze_dim": 2}
+
+
+@pytest.mark.parametrize("family,inputs", [("gpt_oss", _half_width_inputs), ("gemma4", _single_inputs)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_rope_call_forms_match_their_original_function(family, inputs, dtype):
+    """GPT-OSS's half-width and Gemma 4's one-tensor apply_rotary_pos_emb, fused: outputs and gradients."""
+    model = tiny_model(family)
+    ff.apply_kernels(model)
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    install = rope_patch._INSTALLS[(module.__name__, "apply_rotary_pos_emb")]
+    tensors, (cos, sin), kwargs = inputs(dtype)
+    tensors = [t.requires_grad_() for t in tensors]
+    tensors64 = [t.detach().double().requires_grad_() for t in tensors]
+    token = rope_patch._ACTIVE.set(True)  # as inside a patched attention forward
+    try:
+        fused = module.apply_rotary_pos_emb(*tensors, cos.to(dtype), sin.to(dtype), **kwargs)
+    finally:
+        rope_patch._ACTIVE.reset(token)
+    expected = install.original(*tensors64, cos.double(), sin.double(), **kwargs)
+    fused = (fused,) if torch.is_tensor(fused) else fused  # q and k, or one tensor
+    expected = (expected,) if torch.is_tensor(expected) else expected
+    grads = [torch.randn_like(e) for e in expected]
+    for out, ref in zip(fused, expected):
+        assert out.dtype == dtype and out.shape == ref.shape
+        assert_close(out, ref, dtype)
+    fused_grads = torch.autograd.grad(fused, tensors, [g.to(dtype) for g in grads])
+    for got, want in zip(fused_grads, torch.autograd.grad(expected, tensors64, grads)):
+        assert_close(got, want, dtype)
+    ff.unpatch(model)
 
 
 def test_deep_copy_of_a_patched_model_is_patched_and_independent(rope_calls):
@@ -252,6 +301,39 @@ def test_code_that_differs_is_left_alone():
     assert any("apply_rotary_pos_emb" in reason for reason in report.skipped["rope"])
     assert all(type(m).__name__ == "HeliumRMSNorm" for m in model.modules() if "RMSNorm" in type(m).__name__)
     assert report.patched["swiglu"]  # its MLP is the standard one
+    ff.unpatch(model)
+
+
+def test_gpt_oss_experts_code_that_differs_is_refused(monkeypatch):
+    """A GPT-OSS gate that is not the verified code is never swapped; an unverified eager loop keeps its own
+    code, and only the (verified) gate that grouped_mm/batched_mm call is fused, with a warning."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    experts_cls = modeling_gpt_oss.GptOssExperts
+
+    def other_gate(self, gate_up):  # e.g. a release that drops the clamp
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(experts_cls, "_apply_gate", other_gate)
+        model = tiny_model("gpt_oss")
+        with pytest.warns(UserWarning, match="GptOssExperts: experts layout/gate is not"):
+            report = ff.apply_kernels(model)
+        assert "swiglu" not in report.patched
+        assert all(type(m) is experts_cls for m in model.modules() if "Experts" in type(m).__name__)
+        ff.unpatch(model)
+
+    verified_loop = inspect.unwrap(experts_cls.forward)
+
+    def other_loop(self, hidden_states, router_indices=None, routing_weights=None):
+        return verified_loop(self, hidden_states, router_indices, routing_weights)
+
+    monkeypatch.setattr(experts_cls, "forward", other_loop)
+    model = tiny_model("gpt_oss")
+    with pytest.warns(UserWarning, match="GptOssExperts: eager experts loop not recognised"):
+        report = ff.apply_kernels(model)
+    assert list(report.patched["swiglu"]) == ["GptOssExperts (experts, clamped swiglu, grouped_mm/batched_mm only)"]
     ff.unpatch(model)
 
 

@@ -9,6 +9,7 @@ causal-LM head gets its fused replacement and nothing is reported as skipped.
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 
 import pytest
@@ -84,6 +85,106 @@ FAMILY_CONFIGS = {
     "glm4": dict(model_type="glm4", head_dim=16),
     # RoPE only on sliding layers when a sliding window is set
     "exaone4": dict(model_type="exaone4", sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    # Layer 0 dense, layer 1 MoE (4 routed experts, top-2, one shared expert). MLA: q and kv latents with
+    # their own norms, RoPE on 8 of each head's 16 q/k dims; rope_interleave=True (the checkpoints' setting,
+    # layout "interleaved_to_half"); the "deepseek_v3_rotate_half" variant turns it off.
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        num_key_value_heads=4,  # MLA expands k/v to every head
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        rope_interleave=True,
+    ),
+    # Layer 0 dense with RoPE and chunked attention (chunks of 8: several per 24-token row), layer 1 MoE
+    # (4 experts, top-1, shared expert) and NoPE (no_rope_layers[i] = 1 means layer i *uses* RoPE), where a
+    # small floor_scale makes the attention temperature tuning vary with position.
+    "llama4": dict(
+        model_type="llama4_text",
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        intermediate_size=64,  # the experts' and the shared expert's
+        intermediate_size_mlp=128,  # the dense layers'
+        interleave_moe_layer_step=2,
+        no_rope_layers=[1, 0],
+        attention_chunk_size=8,
+        floor_scale=4,
+    ),
+    # Attention sinks, biases everywhere, YaRN RoPE (cos/sin scaled by its attention factor). swiglu_limit far
+    # below the default 7 so that the experts' clamp cuts values (and their gradients) in training; transformers
+    # 5.17 ignores it (hard-coded limit 7), 5.2x reads it.
+    "gpt_oss": dict(
+        model_type="gpt_oss",
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters=dict(
+            rope_type="yarn", rope_theta=150000.0, factor=2.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+            original_max_position_embeddings=32,
+        ),
+        output_router_logits=True,  # the router aux loss must be added to the fused loss
+        router_aux_loss_coef=0.05,
+        swiglu_limit=0.2,
+    ),
+    # Three layers, to cover every per-layer kind: sliding (head_dim 16, default RoPE), full (head_dim 32,
+    # proportional RoPE on a quarter of it, keys as values, one KV head), and a full layer that reuses the
+    # previous one's keys/values (KV sharing: no k/v projections or norms) with a double-wide MLP; per-layer
+    # embeddings (PLE) feed every layer. Gemma 4's attention has scale 1 on q/k norms of unit RMS, which makes
+    # this tiny model chaotic (a 1-ulp change of its weights moves the loss by 1e-3 within 10 AdamW steps,
+    # unpatched); rms_norm_eps=0.1 shrinks the untrained q/k norms' outputs and keeps training reproducible.
+    "gemma4": dict(
+        model_type="gemma4_text",
+        rms_norm_eps=0.1,
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+        head_dim=16,
+        global_head_dim=32,
+        sliding_window=8,
+        attention_k_eq_v=True,
+        num_global_key_value_heads=1,
+        num_kv_shared_layers=1,
+        use_double_wide_mlp=True,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=VOCAB,
+        final_logit_softcapping=0.5,
+    ),
+    # Image-text models: COMMON sizes text_config; the vision tower is tiny (test_transformers_multimodal.py
+    # runs images through it). mRoPE sections (T, H, W) sum to head_dim / 2 = 8.
+    "qwen2_5_vl": dict(
+        model_type="qwen2_5_vl",
+        text_config=dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3])),
+        vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+            spatial_merge_size=2, temporal_patch_size=2, window_size=16, fullatt_block_indexes=[1],
+        ),
+        image_token_id=990, video_token_id=991, vision_start_token_id=992, vision_end_token_id=993,
+    ),
+    "qwen3_vl": dict(
+        model_type="qwen3_vl",
+        text_config=dict(
+            head_dim=16,
+            rope_parameters=dict(
+                rope_type="default", rope_theta=10000.0, mrope_section=[4, 2, 2], mrope_interleaved=True
+            ),
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+            spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=16, deepstack_visual_indexes=[0],
+        ),
+        image_token_id=990, video_token_id=991, vision_start_token_id=992, vision_end_token_id=993,
+    ),
 }
 FAMILIES = tuple(FAMILY_CONFIGS)
 # Checkpoints that ship under another family's model_type: name -> (family, config overrides).
@@ -108,16 +209,64 @@ VARIANTS = {
         ),
     ),
 }
+# Gemma 3's image-text model (model_type "gemma3", Gemma3ForConditionalGeneration): the gemma3_text
+# spec (softcap 0.5 included, which this class's forward does not apply) inside a composite config.
+VARIANTS["gemma3_vl"] = (
+    "gemma3",
+    dict(
+        model_type="gemma3",
+        text_config=FAMILY_CONFIGS["gemma3"],
+        vision_config=dict(
+            model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+            num_attention_heads=2, image_size=16, patch_size=4,
+        ),
+        mm_tokens_per_image=4, boi_token_index=994, eoi_token_index=995, image_token_index=996,
+    ),
+)
+# DeepSeek-V3 with rope_interleave=False: MLA through the plain (rotate-half) apply_rotary_pos_emb.
+VARIANTS["deepseek_v3_rotate_half"] = ("deepseek_v3", dict(rope_interleave=False))
+# Llama 4's image-text model (model_type "llama4", Llama4ForConditionalGeneration, which holds a
+# Llama4ForCausalLM): the llama4_text spec inside a composite config. 16x16 images, 4x4 patches,
+# pixel shuffle 0.5: 4 image tokens.
+VARIANTS["llama4_vl"] = (
+    "llama4",
+    dict(
+        model_type="llama4",
+        text_config=FAMILY_CONFIGS["llama4"],
+        vision_config=dict(
+            hidden_size=32, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+            patch_size=4, vision_output_dim=64, projector_input_dim=64, projector_output_dim=64,
+            pixel_shuffle_ratio=0.5,
+        ),
+        boi_token_index=994, eoi_token_index=995, image_token_index=996,
+    ),
+)
 FAMILIES_AND_VARIANTS = FAMILIES + tuple(VARIANTS)
-MOE_FAMILIES = ("mixtral", "qwen3_moe")  # router aux loss in the loss; experts run eager in the tests
+MULTIMODAL = ("qwen2_5_vl", "qwen3_vl", "gemma3_vl", "llama4_vl")  # built with AutoModelForImageTextToText
+# Experts run eager in the tests; the router aux loss is checked in the loss where FAMILY_TABLE says the
+# family's forward adds one (not DeepSeek-V3's nor Llama 4's).
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3", "deepseek_v3_rotate_half", "llama4", "llama4_vl")
+# Gated MLPs patched per model where that is not one per layer: the dense layer's MLP, and the MoE
+# layer's shared expert(s) and experts.
+GATED_MLPS = {"deepseek_v3": 3, "llama4": 3}
+# Experts that run every token through every expert in batched matmuls: one fused gate call per MoE layer.
+BATCHED_EXPERTS = ("llama4", "llama4_vl")
+# rms_norm calls per forward beyond one per patched norm: Llama 4's qk-norm module normalises q and k.
+SHARED_NORM_CALLS = {"llama4": 1, "llama4_vl": 1}
 # Norms per decoder layer (the model adds one final norm): input/post-attention, plus q/k norms
 # and Gemma's / OLMo's / GLM-4's / EXAONE's extra pre/post norms.
 NORMS_PER_LAYER = {
-    **dict.fromkeys(("gemma2", "qwen3", "qwen3_moe", "olmo2", "olmo3", "glm4", "exaone4"), 4),
+    **dict.fromkeys(("gemma2", "qwen3", "qwen3_moe", "olmo2", "olmo3", "glm4", "exaone4", "qwen3_vl"), 4),
+    "deepseek_v3": 4,  # plus MLA's q and kv latent norms
     "gemma3": 6,
 }
-# Layers whose attention applies RoPE (NoPE layers keep the patched attention but never call it).
-ROPE_LAYERS = {"smollm3": 1, "exaone4": 1}
+# Families whose layers differ in norm count, by total. Gemma 4: 8 per layer (4 around attention/MLP, q/k/v
+# norms, the per-layer-input norm), minus k/v norms on the KV-shared layer, plus the final norm and PLE's norm.
+NORMS_TOTAL = {"gemma4": 3 * 8 - 2 + 2}
+NORMS_TOTAL["llama4"] = 2 * 2 + 1 + 1  # two per layer, the final norm, the RoPE layer's L2 qk-norm
+# Layers whose attention applies RoPE (NoPE layers keep the patched attention but never call it), as calls
+# of the rope kernel: Gemma 4 rotates q and k in separate calls, q only on its KV-shared layer.
+ROPE_LAYERS = {"smollm3": 1, "exaone4": 1, "gemma4": 2 + 2 + 1, "llama4": 1, "llama4_vl": 1}
 
 
 def family_of(name: str) -> str:
@@ -125,11 +274,28 @@ def family_of(name: str) -> str:
     return VARIANTS[name][0] if name in VARIANTS else name
 
 
+def skip_if_unpatched_forward_fails(name: str) -> None:
+    """transformers 5.2x's Llama4ForConditionalGeneration.forward reads `outputs.image_outputs` off its
+    language model's output, which has none: an AttributeError with return_dict=True, patched or not."""
+    if name != "llama4_vl":
+        return
+    from transformers.models.llama4.modeling_llama4 import Llama4ForConditionalGeneration
+
+    if "outputs.image_outputs" in inspect.getsource(Llama4ForConditionalGeneration.forward):
+        pytest.skip(f"transformers {transformers.__version__}: Llama4ForConditionalGeneration.forward fails unpatched")
+
+
 def tiny_config(family: str, **overrides):
+    variant = {}
     if family in VARIANTS:
         family, variant = VARIANTS[family]
-        overrides = {**variant, **overrides}
-    spec = {**COMMON, **FAMILY_CONFIGS[family], **overrides}
+    # An image-text variant is a whole composite spec; COMMON then sizes its text_config.
+    spec = {**(FAMILY_CONFIGS[family] if "text_config" not in variant else {}), **variant, **overrides}
+    if "text_config" in spec:
+        text = {k: v for k, v in spec["text_config"].items() if k != "model_type"}
+        spec["text_config"] = {**COMMON, **text}
+    else:
+        spec = {**COMMON, **spec}
     return transformers.AutoConfig.for_model(spec.pop("model_type"), **spec)
 
 
@@ -140,7 +306,10 @@ def tiny_model(family: str, *, experts_implementation: str | None = None, **over
         kwargs["experts_implementation"] = experts_implementation
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_config(tiny_config(family, **overrides), **kwargs)
+        config = tiny_config(family, **overrides)
+        image_text = getattr(config, "vision_config", None) is not None
+        auto = transformers.AutoModelForImageTextToText if image_text else transformers.AutoModelForCausalLM
+        model = auto.from_config(config, **kwargs)
     return model.to(DEVICE)
 
 
@@ -199,22 +368,27 @@ def test_every_module_of_a_supported_family_is_recognised(name):
     assert report.supported and report.family == family
     unfused = dict(FAMILY_TABLE[family].unfused)  # what the kernels cannot do for this family
     assert report.skipped == {kernel: [reason] for kernel, reason in unfused.items()}
-    layers = model.config.num_hidden_layers
-    assert sum(report.patched["rms_norm"].values()) == NORMS_PER_LAYER.get(family, 2) * layers + 1
+    layers = model.config.get_text_config().num_hidden_layers
+    norms = NORMS_TOTAL.get(family, NORMS_PER_LAYER.get(family, 2) * layers + 1)
+    assert sum(report.patched["rms_norm"].values()) == norms
     if "rope" in unfused:
         assert "rope" not in report.patched
         assert f"rope: NOT patched: {unfused['rope']}" in report.summary()
     else:
         assert sum(report.patched["rope"].values()) == layers
-    assert sum(report.patched["swiglu"].values()) == layers
+    assert sum(report.patched["swiglu"].values()) == GATED_MLPS.get(family, layers)
     assert report.patched["fused_linear_cross_entropy"] == {f"{type(model).__name__} (lm_head)": 1}
-    expected_glu = {"gemma": "geglu tanh", "gemma2": "geglu tanh", "gemma3": "geglu tanh"}.get(family, "swiglu")
-    expected_glu = "experts" if family in MOE_FAMILIES else expected_glu
-    assert all(expected_glu in label for label in report.patched["swiglu"])
+    expected_glu = dict.fromkeys(("gemma", "gemma2", "gemma3", "gemma4"), "geglu tanh").get(family, "swiglu")
+    labels = list(report.patched["swiglu"])
+    if family in MOE_FAMILIES:  # the experts, and in some families dense / shared-expert MLPs
+        assert any("experts" in label for label in labels)
+        labels = [label for label in labels if "experts" not in label]
+    assert all(expected_glu in label for label in labels)
     assert "cross_entropy" not in report.patched  # off by default
-    assert type(model.lm_head).__name__ == "FusedLinear"
+    head = model.get_output_embeddings()  # Llama 4's image-text model: its language model's lm_head
+    assert type(head).__name__ == "FusedLinear"
     if model.config.tie_word_embeddings:  # Phi-4: the fused head still shares the embedding's weight
-        assert model.lm_head.weight is model.get_input_embeddings().weight
+        assert head.weight is model.get_input_embeddings().weight
     unpatch(model)
 
 
@@ -225,6 +399,25 @@ def test_glm4_rope_is_fused_with_interleaved_pairs():
     labels = list(report.patched["rope"])
     assert labels and all("modeling_glm4.apply_rotary_pos_emb, interleaved pairs" in label for label in labels)
     assert "rope: NOT patched" not in report.summary()
+    unpatch(model)
+
+
+@pytest.mark.parametrize(
+    "name,label",
+    [
+        # MLA calls one of two RoPE globals, per config.rope_interleave: both are fused.
+        (
+            "deepseek_v3",
+            "DeepseekV3Attention (modeling_deepseek_v3.apply_rotary_pos_emb; "
+            "modeling_deepseek_v3.apply_rotary_pos_emb_interleave, interleaved pairs to halves)",
+        ),
+        ("llama4", "Llama4TextAttention (modeling_llama4.apply_rotary_emb, interleaved pairs)"),
+    ],
+)
+def test_rope_sites_other_than_apply_rotary_pos_emb_are_named_in_the_report(name, label):
+    model = tiny_model(name)
+    report = apply_kernels(model)
+    assert report.patched["rope"] == {label: model.config.num_hidden_layers}
     unpatch(model)
 
 

@@ -4,6 +4,7 @@ All take and return torch tensors on a CUDA device (or on the CPU under
 TRITON_INTERPRET=1) and support autograd.
 """
 
+from fuseforge.ops.clamped_swiglu import clamped_swiglu
 from fuseforge.ops.cross_entropy import cross_entropy
 from fuseforge.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from fuseforge.ops.glu import geglu, swiglu
@@ -24,6 +25,7 @@ from fuseforge.ops.rope import rope
 from fuseforge.ops.token_logprobs import fused_linear_token_logprobs, fused_linear_token_objective
 
 __all__ = [
+    "clamped_swiglu",
     "cross_entropy",
     "fused_add_rms_norm",
     "fused_linear_cpo_loss",

@@ -16,6 +16,15 @@ x[1::2]), pair i = (x[2i], x[2i+1]), i < Dr/2, rotates by cos[i], sin[i]:
 
 (only the first Dr/2 entries of cos/sin are read, as in HF), dims >= Dr pass through.
 
+With `layout="interleaved_to_half"` (DeepSeek-V3's `apply_rotary_pos_emb_interleave`, used
+when `config.rope_interleave`), the weights store each rotary pair interleaved and the output
+lists the rotated pairs in halves: pair i = (x[2i], x[2i+1]) with cos[i], sin[i] as above, but
+
+    out[i]        = x[2i] * cos[i] - x[2i+1] * sin[i]
+    out[i + Dr/2] = x[2i+1] * cos[i] + x[2i] * sin[i]
+
+i.e. rotate_half RoPE applied to the de-interleaved input, without materialising it.
+
 One program handles a block of (batch, token) positions and every head of q
 and k there, so cos/sin are read once per position. q/k are read through
 their strides (HF hands over `view(...).transpose(1, 2)` views), so nothing is
@@ -49,6 +58,15 @@ _INTERPRETER_TILE = 32768
 
 
 @triton.jit
+def _pair_offsets(d, HALF: tl.constexpr, PAIRS: tl.constexpr):
+    """Where pair i's two members sit: (2i, 2i+1) when PAIRS (interleaved), else (i, i + Dr/2)."""
+    if PAIRS:
+        return 2 * d, 2 * d + 1
+    else:
+        return d, d + HALF
+
+
+@triton.jit
 def _rotate_heads(
     x_ptr, out_ptr,
     sx_b, sx_h, sx_t, sx_d,
@@ -56,17 +74,17 @@ def _rotate_heads(
     b, t, row_mask, cos1, cos2, sin1, sin2, n_heads,
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    FP64: tl.constexpr, INTERLEAVED: tl.constexpr,
+    FP64: tl.constexpr, IN_PAIRS: tl.constexpr, OUT_PAIRS: tl.constexpr,
 ):
-    """Rotate all heads of one tensor at the positions (b, t) ([BLOCK_T, 1, 1] each)."""
+    """Rotate all heads of one tensor at the positions (b, t) ([BLOCK_T, 1, 1] each).
+
+    Pair i is read from (x[2i], x[2i+1]) when IN_PAIRS, else from (x[i], x[i + Dr/2]); the
+    rotated pair is written to the same kind of positions per OUT_PAIRS.
+    """
     d = tl.arange(0, BLOCK_HALF)[None, None, :]
     d_mask = d < HALF
-    if INTERLEAVED:
-        d1 = 2 * d  # pair i = (x[2i], x[2i+1])
-        d2 = 2 * d + 1
-    else:
-        d1 = d  # pair i = (x[i], x[i + Dr/2])
-        d2 = d + HALF
+    d1, d2 = _pair_offsets(d, HALF, IN_PAIRS)
+    e1, e2 = _pair_offsets(d, HALF, OUT_PAIRS)
     x_pos = x_ptr + b * sx_b + t * sx_t
     o_pos = out_ptr + b * so_b + t * so_t
     for h0 in range(0, n_heads, BLOCK_H):
@@ -79,8 +97,8 @@ def _rotate_heads(
         o1 = x1 * cos1 - x2 * sin1
         o2 = x2 * cos2 + x1 * sin2
         o_head = o_pos + h * so_h
-        tl.store(o_head + d1 * so_d, o1.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(o_head + d2 * so_d, o2.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_head + e1 * so_d, o1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_head + e2 * so_d, o2.to(out_ptr.dtype.element_ty), mask=mask)
         if HEAD_DIM > 2 * HALF:
             p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, None, :]
             p_mask = head_mask & (p < HEAD_DIM)
@@ -101,7 +119,8 @@ def _rope_kernel(
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    BACKWARD: tl.constexpr, FP64: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BACKWARD: tl.constexpr, FP64: tl.constexpr, HALF_COS: tl.constexpr,
+    IN_PAIRS: tl.constexpr, OUT_PAIRS: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = (rows < n_rows)[:, None, None]
@@ -114,7 +133,7 @@ def _rope_kernel(
     sin_pos = sin_ptr + b * ss_b + t * ss_t
     cos1 = upcast(tl.load(cos_pos + d * sc_d, mask=cs_mask, other=0.0), FP64)
     sin1 = upcast(tl.load(sin_pos + d * ss_d, mask=cs_mask, other=0.0), FP64)
-    if INTERLEAVED:
+    if HALF_COS:
         # HF reads only cos/sin[:Dr/2] (repeat-interleaved): both members of pair i use entry i.
         cos2 = cos1
         sin2 = sin1
@@ -127,10 +146,10 @@ def _rope_kernel(
 
     _rotate_heads(q_ptr, q_out_ptr, sq_b, sq_h, sq_t, sq_d, sqo_b, sqo_h, sqo_t, sqo_d,
                   b, t, row_mask, cos1, cos2, sin1, sin2, n_q_heads,
-                  HALF, HEAD_DIM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, FP64, INTERLEAVED)
+                  HALF, HEAD_DIM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, FP64, IN_PAIRS, OUT_PAIRS)
     _rotate_heads(k_ptr, k_out_ptr, sk_b, sk_h, sk_t, sk_d, sko_b, sko_h, sko_t, sko_d,
                   b, t, row_mask, cos1, cos2, sin1, sin2, n_k_heads,
-                  HALF, HEAD_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, FP64, INTERLEAVED)
+                  HALF, HEAD_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, FP64, IN_PAIRS, OUT_PAIRS)
 
 
 def _bhtd_strides(x: torch.Tensor, heads_dim: int) -> tuple[int, int, int, int]:
@@ -139,7 +158,7 @@ def _bhtd_strides(x: torch.Tensor, heads_dim: int) -> tuple[int, int, int, int]:
     return x.stride(0), x.stride(heads_dim), x.stride(token_dim), x.stride(3)
 
 
-def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, interleaved: bool) -> None:
+def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, layout: str) -> None:
     batch, seq_len, head_dim = q.shape[0], q.shape[3 - heads_dim], q.shape[3]
     n_q_heads, n_k_heads = q.shape[heads_dim], k.shape[heads_dim]
     n_rows = batch * seq_len
@@ -157,6 +176,9 @@ def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, interl
     num_warps = min(16, max(1, block_t * block_hq * block_half // (32 * _GPU_ELEMENTS_PER_THREAD)))
     cos_batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
     sin_batch_stride = sin.stride(0) if sin.shape[0] > 1 else 0
+    # interleaved_to_half maps pairs to halves; its transpose (backward) maps halves back to pairs.
+    in_pairs = layout == "interleaved" or (layout == "interleaved_to_half" and not backward)
+    out_pairs = layout == "interleaved" or (layout == "interleaved_to_half" and backward)
     grid = (triton.cdiv(n_rows, block_t),)
     _rope_kernel[grid](
         q, k, q_out, k_out, cos, sin,
@@ -170,20 +192,21 @@ def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, interl
         HALF=half, HEAD_DIM=head_dim, BLOCK_T=block_t,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
         BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-        BACKWARD=backward, FP64=q_out.dtype == torch.float64, INTERLEAVED=interleaved,
+        BACKWARD=backward, FP64=q_out.dtype == torch.float64, HALF_COS=layout != "rotate_half",
+        IN_PAIRS=in_pairs, OUT_PAIRS=out_pairs,
         num_warps=num_warps,
     )
 
 
 class _RoPEFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, cos, sin, heads_dim, interleaved):
+    def forward(ctx, q, k, cos, sin, heads_dim, layout):
         # empty_like keeps q's memory layout (e.g. [B, T, H, D] under a transposed view), as HF's
         # elementwise formula would, so attention kernels downstream see the same strides.
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        _launch(q, k, q_out, k_out, cos, sin, heads_dim, backward=False, interleaved=interleaved)
+        _launch(q, k, q_out, k_out, cos, sin, heads_dim, backward=False, layout=layout)
         ctx.save_for_backward(cos, sin)
-        ctx.heads_dim, ctx.interleaved = heads_dim, interleaved
+        ctx.heads_dim, ctx.layout = heads_dim, layout
         return q_out, k_out
 
     @staticmethod
@@ -191,12 +214,11 @@ class _RoPEFunction(torch.autograd.Function):
     def backward(ctx, grad_q_out, grad_k_out):
         cos, sin = ctx.saved_tensors
         grad_q, grad_k = torch.empty_like(grad_q_out), torch.empty_like(grad_k_out)
-        _launch(grad_q_out, grad_k_out, grad_q, grad_k, cos, sin, ctx.heads_dim, backward=True,
-                interleaved=ctx.interleaved)
+        _launch(grad_q_out, grad_k_out, grad_q, grad_k, cos, sin, ctx.heads_dim, backward=True, layout=ctx.layout)
         return grad_q, grad_k, None, None, None, None
 
 
-LAYOUTS = ("rotate_half", "interleaved")
+LAYOUTS = ("rotate_half", "interleaved", "interleaved_to_half")
 
 
 def _validate(q, k, cos, sin, unsqueeze_dim, layout="rotate_half") -> int:
@@ -262,6 +284,8 @@ def rope(
     layout="interleaved": GLM-4's convention, pairs (x[2i], x[2i+1]) rotated by cos[..., i] and
     sin[..., i] for i < Dr/2 (HF passes the same [.., Dr] cos/sin and repeat-interleaves their first
     half; the second half is not read).
+    layout="interleaved_to_half": DeepSeek-V3's `apply_rotary_pos_emb_interleave`, pairs read as
+    in "interleaved" and written as in "rotate_half" (out[i], out[i + Dr/2]).
     """
     heads_dim = _validate(q, k, cos, sin, unsqueeze_dim, layout)
-    return _RoPEFunction.apply(q, k, cos, sin, heads_dim, layout == "interleaved")
+    return _RoPEFunction.apply(q, k, cos, sin, heads_dim, layout)

@@ -53,6 +53,12 @@ apply_kernels_to_olmo2 = FAMILY_FUNCTIONS["apply_kernels_to_olmo2"]
 apply_kernels_to_olmo3 = FAMILY_FUNCTIONS["apply_kernels_to_olmo3"]
 apply_kernels_to_glm4 = FAMILY_FUNCTIONS["apply_kernels_to_glm4"]
 apply_kernels_to_exaone4 = FAMILY_FUNCTIONS["apply_kernels_to_exaone4"]
+apply_kernels_to_gpt_oss = FAMILY_FUNCTIONS["apply_kernels_to_gpt_oss"]
+apply_kernels_to_gemma4 = FAMILY_FUNCTIONS["apply_kernels_to_gemma4"]
+apply_kernels_to_deepseek_v3 = FAMILY_FUNCTIONS["apply_kernels_to_deepseek_v3"]
+apply_kernels_to_llama4 = FAMILY_FUNCTIONS["apply_kernels_to_llama4"]
+apply_kernels_to_qwen2_5_vl = FAMILY_FUNCTIONS["apply_kernels_to_qwen2_5_vl"]
+apply_kernels_to_qwen3_vl = FAMILY_FUNCTIONS["apply_kernels_to_qwen3_vl"]
 
 __all__ = [
     "DEFAULT_FLAGS",
@@ -65,21 +71,27 @@ __all__ = [
     "Distillation",
     "PatchReport",
     "apply_kernels",
+    "apply_kernels_to_deepseek_v3",
     "apply_kernels_to_exaone4",
     "apply_kernels_to_gemma",
     "apply_kernels_to_gemma2",
     "apply_kernels_to_gemma3",
+    "apply_kernels_to_gemma4",
     "apply_kernels_to_glm4",
+    "apply_kernels_to_gpt_oss",
     "apply_kernels_to_granite",
     "apply_kernels_to_llama",
+    "apply_kernels_to_llama4",
     "apply_kernels_to_mistral",
     "apply_kernels_to_mixtral",
     "apply_kernels_to_olmo2",
     "apply_kernels_to_olmo3",
     "apply_kernels_to_phi3",
     "apply_kernels_to_qwen2",
+    "apply_kernels_to_qwen2_5_vl",
     "apply_kernels_to_qwen3",
     "apply_kernels_to_qwen3_moe",
+    "apply_kernels_to_qwen3_vl",
     "apply_kernels_to_smollm3",
     "causal_lm_loss",
     "get_patch_report",

@@ -12,20 +12,27 @@ listed in `fuseforge.transformers.TESTED_TRANSFORMERS`):
 - Gemma-style RMSNorm: everything in fp32 with `(1 + weight)`, one cast at the end.
 - OLMo-style RMSNorm (OLMo 2/3): fp32 normalisation, `weight * x` in fp32, one cast at the
   end: the kernel's Gemma casting with offset 0.
+- Gemma 4 RMSNorm: as OLMo's (no offset), with or without a weight (`with_scale`).
 - `down(act(gate(x)) * up(x))` and Phi-3's `gate_up_proj` split, act = SiLU or GELU.
-- MoE experts with concatenated `[gate; up]` expert weights (Mixtral and ~50 others).
+- MoE experts with concatenated `[gate; up]` expert weights (Mixtral and ~50 others), SiLU or
+  tanh GELU (Gemma 4's MoE layers).
+- Llama 4: its RMSNorm (Llama casting, `eps`), its parameter-free L2 qk-norm (the same
+  normalisation without a weight), its MLP (`activation_fn`) and its experts, which run every
+  token through every expert as batched matmuls, `up * act(gate)`.
+- GPT-OSS experts: their clamped SwiGLU gate on interleaved gate/up (`clamped_swiglu`).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fuseforge.functional import geglu, layer_norm, rms_norm, swiglu
+from fuseforge.functional import clamped_swiglu, geglu, layer_norm, rms_norm, swiglu
 from fuseforge.transformers._fingerprint import matches
 
 # Verified implementation fingerprints (see _fingerprint.py), transformers 5.17-5.24.
@@ -33,10 +40,27 @@ LLAMA_RMS_NORM_FORWARD = frozenset({"607a0bc599d3"})
 GEMMA_RMS_NORM_FORWARD = frozenset({"b2efe7f0a208"})
 GEMMA_RMS_NORM_NORM = frozenset({"fd8d7a06072d"})
 OLMO_RMS_NORM_FORWARD = frozenset({"a46c8ec460cb"})  # (self.weight * hidden_states).to(input_dtype); verified on 5.24
+# Llama 4 (5.17 and 5.24): RMSNorm `_norm(x.float()).type_as(x) * self.weight`, and the parameter-free
+# L2Norm `_norm(x.float()).type_as(x)`, both with GEMMA_RMS_NORM_NORM's x * rsqrt(mean(x^2) + eps).
+LLAMA4_RMS_NORM_FORWARD = frozenset({"9d52d7421a94"})
+L2_NORM_FORWARD = frozenset({"0a51f54893bb"})
 SPLIT_GATED_MLP_FORWARD = frozenset({"7e0c35e5ee8b"})  # down_proj(act_fn(gate_proj(x)) * up_proj(x))
 FUSED_GATE_UP_MLP_FORWARD = frozenset({"02e678880f6a"})  # Phi-3: gate_up_proj, chunk, activation_fn
+# Llama 4 (5.17 and 5.24): down_proj(activation_fn(gate_proj(x)) * up_proj(x)) in two statements.
+SPLIT_GATED_MLP_ACTIVATION_FN_FORWARD = frozenset({"84a6714a8187"})
+# Llama 4's experts (5.17 and 5.24): x viewed [experts, tokens, hidden], bmm with gate_up_proj
+# [experts, hidden, 2I], chunk, up * act_fn(gate), bmm with down_proj [experts, I, hidden].
+BATCHED_EXPERTS_FORWARD = frozenset({"3463e3a26b1e"})
 EXPERTS_APPLY_GATE = frozenset({"b42fe38ed914"})  # transformers.integrations.moe._default_apply_gate
 EXPERTS_EAGER_FORWARD = frozenset({"cc14b3ec6864", "ceb5cf870ea9"})  # 5.24 / 5.17 per-expert loop
+# GPT-OSS experts: interleaved gate/up, clamp to limit, (up + 1) * gate * sigmoid(alpha * gate); the eager
+# loop (with biases) calls self._apply_gate. Both bodies identical on 5.17 and 5.24.
+GPT_OSS_EXPERTS_APPLY_GATE = frozenset({"8b834c6b9c92"})
+GPT_OSS_EXPERTS_EAGER_FORWARD = frozenset({"65cf0bf9da69"})
+# Gemma 4: fp32 throughout, x * pow(mean(x^2) + eps, -0.5), optional `* weight` (no offset), one cast at
+# the end: the kernel's Gemma casting with offset 0 (offset 1 on a zero weight without scale). 5.17 and 5.24.
+GEMMA4_RMS_NORM_FORWARD = frozenset({"21617bc3257b"})
+GEMMA4_RMS_NORM_NORM = frozenset({"0c775492f618"})
 
 
 # --- activations -------------------------------------------------------------------------------
@@ -95,6 +119,31 @@ class OlmoRMSNormMixin:
         return rms_norm(hidden_states, self.weight, self.variance_epsilon, offset=0.0, casting="gemma")
 
 
+class Gemma4RMSNormMixin:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.with_scale:
+            return rms_norm(hidden_states, self.weight, self.eps, offset=0.0, casting="gemma")
+        # No scale (v_norm, the router's norm): offset 1 on a zero weight multiplies by exactly 1.
+        unit = torch.zeros(hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device)
+        return rms_norm(hidden_states, unit, self.eps, offset=1.0, casting="gemma")
+
+
+class EpsLlamaRMSNormMixin:
+    """The Llama casting, with the epsilon in `eps` (Llama 4)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, casting="llama")
+
+
+class L2NormMixin:
+    """Parameter-free RMS normalisation (Llama 4's qk-norm): the Llama casting with a unit weight in
+    x's dtype, so multiplying by it is exact and the output keeps x's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        unit = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+        return rms_norm(x, unit, self.eps, casting="llama")
+
+
 class LayerNormMixin:
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.LayerNorm's name
         return layer_norm(input, self.weight, self.bias, self.eps)
@@ -151,6 +200,42 @@ class SwiGLUExpertsMixin(SwiGLUExpertsGateMixin):
         return out
 
 
+class GeGLUTanhExpertsGateMixin:
+    """The default gate with act_fn = tanh GELU (Gemma 4's MoE experts), fused."""
+
+    def _apply_gate(self, gate_up_out: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up_out.chunk(2, dim=-1)
+        return geglu(gate, up, approximate="tanh")
+
+
+class GeGLUTanhExpertsMixin(GeGLUTanhExpertsGateMixin, SwiGLUExpertsMixin):
+    """The eager per-expert loop of SwiGLUExpertsMixin, through the GeGLU gate (first in the MRO)."""
+
+
+# experts activation -> (eager loop + gate mixin, gate-only mixin, label suffix)
+_EXPERTS_MIXINS = {
+    "silu": (SwiGLUExpertsMixin, SwiGLUExpertsGateMixin, ""),
+    "gelu_tanh": (GeGLUTanhExpertsMixin, GeGLUTanhExpertsGateMixin, ", geglu tanh"),
+}
+
+
+class GptOssExpertsMixin:
+    """GPT-OSS's clamped SwiGLU gate, fused; used by the eager loop and grouped_mm/batched_mm alike."""
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return clamped_swiglu(gate_up, self.alpha, self.limit, layout="interleaved")
+
+
+class BatchedSwiGLUExpertsMixin:
+    """Llama 4's experts (every token through every expert, batched matmuls) with the fused SwiGLU gate."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states.view(self.gate_up_proj.shape[0], -1, self.hidden_size)
+        gate, up = torch.bmm(hidden_states, self.gate_up_proj).chunk(2, dim=-1)
+        next_states = torch.bmm(swiglu(gate, up), self.down_proj)
+        return next_states.view(-1, self.hidden_size)
+
+
 # --- planning ----------------------------------------------------------------------------------
 
 
@@ -182,13 +267,30 @@ def _plan_rms_norm(module: nn.Module, cls: type, name: str) -> Plan:
         if _has_vector_weight(module):
             return Plan("rms_norm", name, OlmoRMSNormMixin)
     if (
+        matches(cls.forward, LLAMA4_RMS_NORM_FORWARD)
+        and matches(getattr(cls, "_norm", None), GEMMA_RMS_NORM_NORM)
+        and _float_attr(module, "eps")
+        and _has_vector_weight(module)
+    ):
+        return Plan("rms_norm", name, EpsLlamaRMSNormMixin)
+    if (
         matches(cls.forward, GEMMA_RMS_NORM_FORWARD)
         and matches(getattr(cls, "_norm", None), GEMMA_RMS_NORM_NORM)
         and _float_attr(module, "eps")
         and _has_vector_weight(module)
     ):
         return Plan("rms_norm", name, GemmaRMSNormMixin)
-    return Plan("rms_norm", name, reason=f"{name}: implementation not recognised as Llama, Gemma or OLMo RMSNorm")
+    if (
+        matches(cls.forward, GEMMA4_RMS_NORM_FORWARD)
+        and matches(getattr(cls, "_norm", None), GEMMA4_RMS_NORM_NORM)
+        and _float_attr(module, "eps")
+        and isinstance(getattr(module, "with_scale", None), bool)
+        and (_has_vector_weight(module) or not module.with_scale)
+    ):
+        return Plan("rms_norm", name, Gemma4RMSNormMixin)
+    return Plan(
+        "rms_norm", name, reason=f"{name}: implementation not recognised as Llama, Gemma, Gemma 4 or OLMo RMSNorm"
+    )
 
 
 def _plan_layer_norm(module: nn.Module, cls: type, name: str) -> Plan:
@@ -199,23 +301,66 @@ def _plan_layer_norm(module: nn.Module, cls: type, name: str) -> Plan:
     return Plan("layer_norm", name, reason=f"{name}: not torch.nn.LayerNorm itself (custom subclass or code)")
 
 
+def _plan_l2_norm(module: nn.Module, cls: type, name: str) -> Plan:
+    if (
+        matches(cls.forward, L2_NORM_FORWARD)
+        and matches(getattr(cls, "_norm", None), GEMMA_RMS_NORM_NORM)
+        and _float_attr(module, "eps")
+        and not any(True for _ in module.parameters())
+    ):
+        return Plan("rms_norm", f"{name} (no weight)", L2NormMixin)
+    return Plan("rms_norm", name, reason=f"{name}: implementation not recognised as Llama 4's L2 norm")
+
+
+# (verified forwards, the module's activation attribute, mixins per activation)
+_GATED_MLPS = (
+    (SPLIT_GATED_MLP_FORWARD, "act_fn", SPLIT_MLP_MIXINS),
+    (SPLIT_GATED_MLP_ACTIVATION_FN_FORWARD, "activation_fn", SPLIT_MLP_MIXINS),
+    (FUSED_GATE_UP_MLP_FORWARD, "activation_fn", FUSED_GATE_UP_MLP_MIXINS),
+)
+
+
 def _plan_mlp(module: nn.Module, cls: type, name: str) -> Plan:
-    if matches(cls.forward, SPLIT_GATED_MLP_FORWARD):
-        activation = classify_activation(getattr(module, "act_fn", None))
-        if activation is not None:
-            return Plan("swiglu", f"{name} ({_GLU_NAMES[activation]})", SPLIT_MLP_MIXINS[activation])
-        act = type(getattr(module, "act_fn", None)).__name__
-        return Plan("swiglu", name, reason=f"{name}: activation {act} is not SiLU/GELU")
-    if matches(cls.forward, FUSED_GATE_UP_MLP_FORWARD):
-        activation = classify_activation(getattr(module, "activation_fn", None))
-        if activation is not None:
-            return Plan("swiglu", f"{name} ({_GLU_NAMES[activation]})", FUSED_GATE_UP_MLP_MIXINS[activation])
-        act = type(getattr(module, "activation_fn", None)).__name__
-        return Plan("swiglu", name, reason=f"{name}: activation {act} is not SiLU/GELU")
+    for forwards, act_attr, mixins in _GATED_MLPS:
+        if matches(cls.forward, forwards):
+            activation = classify_activation(getattr(module, act_attr, None))
+            if activation is not None:
+                return Plan("swiglu", f"{name} ({_GLU_NAMES[activation]})", mixins[activation])
+            act = type(getattr(module, act_attr, None)).__name__
+            return Plan("swiglu", name, reason=f"{name}: activation {act} is not SiLU/GELU")
     return Plan("swiglu", name, reason=f"{name}: MLP implementation not recognised as a gated (GLU) MLP")
 
 
+def _plan_batched_experts(module: nn.Module, cls: type, name: str) -> Plan:
+    weights_ok = all(
+        isinstance(getattr(module, attr, None), nn.Parameter) and getattr(module, attr).dim() == 3
+        for attr in ("gate_up_proj", "down_proj")
+    )
+    if not (matches(cls.forward, BATCHED_EXPERTS_FORWARD) and weights_ok and isinstance(module.hidden_size, int)):
+        return Plan("swiglu", name, reason=f"{name}: experts implementation not recognised")
+    if classify_activation(getattr(module, "act_fn", None)) != "silu":
+        return Plan("swiglu", name, reason=f"{name}: experts activation is not SiLU")
+    return Plan("swiglu", f"{name} (experts, batched)", BatchedSwiGLUExpertsMixin)
+
+
+def _plan_gpt_oss_experts(module: nn.Module, cls: type, name: str) -> Plan:
+    """Experts whose `_apply_gate` is GPT-OSS's clamped SwiGLU (verified), with usable alpha/limit."""
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    if not (_float_attr(module, "alpha") and _float_attr(module, "limit")) or not (math.isfinite(alpha) and limit >= 0):
+        return Plan("swiglu", name, reason=f"{name}: clamped SwiGLU alpha={alpha!r}/limit={limit!r} not usable")
+    if matches(inspect.unwrap(cls.forward), GPT_OSS_EXPERTS_EAGER_FORWARD):
+        return Plan("swiglu", f"{name} (experts, clamped swiglu)", GptOssExpertsMixin)
+    return Plan(
+        "swiglu",
+        f"{name} (experts, clamped swiglu, grouped_mm/batched_mm only)",
+        GptOssExpertsMixin,
+        reason=f"{name}: eager experts loop not recognised; only the grouped_mm/batched_mm gate is fused",
+    )
+
+
 def _plan_experts(module: nn.Module, cls: type, name: str) -> Plan:
+    if matches(cls._apply_gate, GPT_OSS_EXPERTS_APPLY_GATE):
+        return _plan_gpt_oss_experts(module, cls, name)
     layout_ok = (
         getattr(module, "has_gate", False)
         and not getattr(module, "has_bias", True)
@@ -227,14 +372,16 @@ def _plan_experts(module: nn.Module, cls: type, name: str) -> Plan:
     )
     if not layout_ok or not matches(cls._apply_gate, EXPERTS_APPLY_GATE):
         return Plan("swiglu", name, reason=f"{name}: experts layout/gate is not concatenated [gate; up] SwiGLU")
-    if classify_activation(getattr(module, "act_fn", None)) != "silu":
-        return Plan("swiglu", name, reason=f"{name}: experts activation is not SiLU")
+    activation = classify_activation(getattr(module, "act_fn", None))
+    if activation not in _EXPERTS_MIXINS:
+        return Plan("swiglu", name, reason=f"{name}: experts activation is not SiLU or tanh GELU")
+    eager_mixin, gate_mixin, kind = _EXPERTS_MIXINS[activation]
     if matches(inspect.unwrap(cls.forward), EXPERTS_EAGER_FORWARD):
-        return Plan("swiglu", f"{name} (experts)", SwiGLUExpertsMixin)
+        return Plan("swiglu", f"{name} (experts{kind})", eager_mixin)
     return Plan(
         "swiglu",
-        f"{name} (experts, grouped_mm/batched_mm only)",
-        SwiGLUExpertsGateMixin,
+        f"{name} (experts{kind}, grouped_mm/batched_mm only)",
+        gate_mixin,
         reason=f"{name}: eager experts loop not recognised; only the grouped_mm/batched_mm gate is fused",
     )
 
@@ -247,8 +394,12 @@ def plan(module: nn.Module) -> Plan | None:
         return _plan_rms_norm(module, cls, name)
     if isinstance(module, nn.LayerNorm) or name.endswith("LayerNorm"):
         return _plan_layer_norm(module, cls, name)
+    if name.endswith("L2Norm"):
+        return _plan_l2_norm(module, cls, name)
     if hasattr(cls, "_apply_gate"):
         return _plan_experts(module, cls, name)
+    if name.endswith("Experts") and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):
+        return _plan_batched_experts(module, cls, name)
     submodules = dict(module.named_children())
     if name.endswith("MLP") and ("gate_up_proj" in submodules or {"gate_proj", "up_proj"} <= submodules.keys()):
         return _plan_mlp(module, cls, name)

@@ -204,13 +204,21 @@ def _labels_position(original) -> int | None:
     return params.index("labels") - 1 if "labels" in params else None
 
 
+def lm_head_of(model: nn.Module) -> nn.Module | None:
+    """The model's output projection: its `lm_head`, or where it says it is (Llama 4's image-text
+    model projects through its inner language model's head)."""
+    head = getattr(model, "lm_head", None)
+    return head if head is not None else model.get_output_embeddings()
+
+
 def _fallback_reason(model: nn.Module) -> str | None:
     """Why the fused loss cannot stand in for this forward's loss right now, if it cannot."""
     if not is_stock_loss(model.loss_function):
         return "has a custom loss_function"
-    if not isinstance(model.lm_head, FusedLossHeadMixin):
+    head = lm_head_of(model)
+    if not isinstance(head, FusedLossHeadMixin):
         return "has an lm_head that was replaced after apply_kernels"
-    if hasattr(model.lm_head.weight, "ds_id"):
+    if hasattr(head.weight, "ds_id"):
         # DeepSpeed ZeRO-3 re-gathers a module's weights for backward through hooks on that module's
         # outputs; the placeholder the head returns is not in the loss graph, so they would be missing.
         return "has DeepSpeed ZeRO-3 partitioned lm_head weights"
@@ -257,7 +265,7 @@ def _fused_forward(self, original, args: tuple, kwargs: dict):
         raise ValueError(f"{type(self).__name__} caps or scales its logits ({spec.logit_softcap_attr or ''}"
                          f"{spec.logit_scale_attr or ''}); the fused JSD of distillation= does not apply that")
     request = _LossRequest(
-        head=self.lm_head,
+        head=lm_head_of(self),
         labels=labels,
         shift_labels=shift_labels,
         ignore_index=kwargs.get("ignore_index", IGNORE_INDEX),

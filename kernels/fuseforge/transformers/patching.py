@@ -31,6 +31,7 @@ from fuseforge.transformers.loss import (
     causal_lm_loss,
     fused_forward_for,
     is_stock_loss,
+    lm_head_of,
 )
 from fuseforge.transformers.report import PatchReport
 
@@ -45,7 +46,7 @@ class _State:
     options: dict  # apply_kernels' keyword arguments: kernel flags and loss_chunk_size
     report: PatchReport
     swapped: list = field(default_factory=list)  # modules whose class we swapped
-    rope_users: list = field(default_factory=list)  # (attention module, modeling module name)
+    rope_users: list = field(default_factory=list)  # (attention module, its RoPE sites: see rope.py)
     forwards: list = field(default_factory=list)  # causal-LM modules given the fused forward
     loss_functions: list = field(default_factory=list)  # (module, previous _loss_function or _MISSING)
 
@@ -92,10 +93,21 @@ def _model_type(model_or_class) -> str | None:
 # --- instances ---------------------------------------------------------------------------------
 
 
-def _patch_leaves(model: nn.Module, options: dict, state: _State) -> None:
+def _vision_subtrees(model: nn.Module, family: Family | None, report: PatchReport) -> set[int]:
+    """ids of the modules of the family's vision tower / projector, which patching leaves as they are."""
+    names = set(family.vision_modules) if family else set()
+    left = set()
+    for qualified, module in model.named_modules():
+        if qualified.rsplit(".", 1)[-1] in names and id(module) not in left:
+            left.update(id(m) for m in module.modules())
+            report.notes.append(f"{qualified} ({type(module).__name__}): vision side, left as it is")
+    return left
+
+
+def _patch_leaves(model: nn.Module, options: dict, state: _State, left: set[int]) -> None:
     report = state.report
     for module in model.modules():
-        if is_fused(module):
+        if is_fused(module) or id(module) in left:
             continue
         decision = plan(module)
         if decision is None or not options[decision.kernel]:
@@ -114,34 +126,47 @@ def _patch_leaves(model: nn.Module, options: dict, state: _State) -> None:
         report.add_patched(decision.kernel, decision.label)
 
 
-def _patch_rope(model: nn.Module, family: Family | None, state: _State) -> None:
+def _patch_rope(model: nn.Module, family: Family | None, state: _State, left: set[int]) -> None:
     report = state.report
+    candidates = [(a, sites) for a, sites in rope_patch.attention_candidates(model) if id(a) not in left]
     limit = family.unfused_reason("rope") if family else None
     if limit is not None:
-        if any(True for _ in rope_patch.attention_candidates(model)):
+        if candidates:
             report.add_known_limit("rope", limit)
         return
-    for attention, module_name in list(rope_patch.attention_candidates(model)):
-        reason = rope_patch.check_module(module_name)
+    for attention, sites in candidates:
+        reason = rope_patch.check_sites(sites)
         if reason is not None or "forward" in attention.__dict__:
             report.add_skipped("rope", reason or f"{type(attention).__name__}: forward overridden on the instance")
             continue
         name = type(attention).__name__
         swap(attention, rope_patch.FusedRoPEAttentionMixin)
-        if not rope_patch.register(attention, module_name):
+        if not rope_patch.register(attention, sites):
             restore(attention)
-            report.add_skipped("rope", f"{module_name}.{rope_patch.GLOBAL_NAME} could not be replaced")
+            report.add_skipped("rope", f"{', '.join('.'.join(site) for site in sites)} could not be replaced")
             continue
         state.swapped.append(attention)
-        state.rope_users.append((attention, module_name))
-        layout = rope_patch.layout_of(module_name)
-        kind = ", interleaved pairs" if layout == "interleaved" else ""
-        report.add_patched("rope", f"{name} ({module_name.rsplit('.', 1)[-1]}.{rope_patch.GLOBAL_NAME}{kind})")
+        state.rope_users.append((attention, sites))
+        report.add_patched("rope", f"{name} ({rope_patch.describe(sites)})")
 
 
-def _causal_lms(model: nn.Module, family: Family | None) -> list[nn.Module]:
-    cls = family.causal_lm_class() if family else None
-    return [m for m in model.modules() if cls is not None and isinstance(m, cls)]
+def _loss_heads(model: nn.Module, family: Family, chunk_size: int | None) -> list[tuple[nn.Module, LossSpec]]:
+    """The family's causal LMs and image-text LMs in the model, each with what its forward does to the loss."""
+    causal, multimodal = family.causal_lm_class(), family.multimodal_lm_class()
+    text_spec = LossSpec(family.logit_softcap_attr, family.router_aux_loss, chunk_size, family.logit_scale_attr)
+    plain_spec = LossSpec(chunk_size=chunk_size)  # multimodal forward: lm_head, then the stock loss
+    heads, inside = [], set()
+    for module in model.modules():
+        if id(module) in inside:
+            continue  # an LM within another (Llama 4's language model): the outer one computes the loss
+        if causal is not None and isinstance(module, causal):
+            heads.append((module, text_spec))
+        elif multimodal is not None and isinstance(module, multimodal):
+            heads.append((module, plain_spec))
+        else:
+            continue
+        inside.update(id(m) for m in module.modules())
+    return heads
 
 
 def _patch_losses(model: nn.Module, family: Family | None, options: dict, state: _State) -> None:
@@ -155,12 +180,13 @@ def _patch_losses(model: nn.Module, family: Family | None, options: dict, state:
                 kernel, f"model type {report.model_type!r} is not a supported family; its loss is left as is"
             )
         return
-    heads = _causal_lms(model, family)
+    heads = _loss_heads(model, family, options["loss_chunk_size"])
     if not heads:
+        classes = " or ".join(c for c in (family.causal_lm, family.multimodal_lm) if c)
         for kernel in wanted:
-            report.add_skipped(kernel, f"no {family.causal_lm} in this model; its loss is left as is")
+            report.add_skipped(kernel, f"no {classes} in this model; its loss is left as is")
         return
-    for lm in heads:
+    for lm, spec in heads:
         name = type(lm).__name__
         if not is_stock_loss(lm.loss_function):
             for kernel in wanted:
@@ -171,7 +197,7 @@ def _patch_losses(model: nn.Module, family: Family | None, options: dict, state:
             lm.loss_function = causal_lm_loss
             report.add_patched("cross_entropy", f"{name}.loss_function")
         if options["fused_linear_cross_entropy"]:
-            head = getattr(lm, "lm_head", None)
+            head = lm_head_of(lm)
             if type(head) is not nn.Linear:
                 report.add_skipped(
                     "fused_linear_cross_entropy",
@@ -181,12 +207,6 @@ def _patch_losses(model: nn.Module, family: Family | None, options: dict, state:
             if "forward" in lm.__dict__:
                 report.add_skipped("fused_linear_cross_entropy", f"{name}: forward overridden on the instance")
                 continue
-            spec = LossSpec(
-                family.logit_softcap_attr,
-                family.router_aux_loss,
-                options["loss_chunk_size"],
-                family.logit_scale_attr,
-            )
             setattr(lm, LOSS_SPEC_ATTR, spec)
             lm.forward = types.MethodType(fused_forward_for(type(lm)), lm)
             swap(head, FusedLossHeadMixin)
@@ -201,9 +221,10 @@ def _patch_instance(model: nn.Module, options: dict) -> PatchReport:
     report = _new_report(type(model).__name__, model_type, family, options)
     state = _State(options=dict(options), report=report)
     try:
-        _patch_leaves(model, options, state)
+        left = _vision_subtrees(model, family, report)
+        _patch_leaves(model, options, state, left)
         if options["rope"]:
-            _patch_rope(model, family, state)
+            _patch_rope(model, family, state, left)
         _patch_losses(model, family, options, state)
     except BaseException:
         _undo(state)
@@ -231,8 +252,8 @@ def _undo(state: _State) -> None:
         lm.__dict__.pop(LOSS_SPEC_ATTR, None)
     for module in state.swapped:
         restore(module)
-    for attention, module_name in state.rope_users:
-        rope_patch.unregister(attention, module_name)
+    for attention, sites in state.rope_users:
+        rope_patch.unregister(attention, sites)
 
 
 # --- classes -----------------------------------------------------------------------------------
