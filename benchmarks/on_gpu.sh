@@ -70,6 +70,9 @@ for step in "$@"; do
             --family qwen3_moe --variants eager liger fuseforge --json "$OUT/moe.json" ;;
         bench-vlm) STEP_TIMEOUT=300 run_step "$step" python3 benchmarks/bench_model.py --preset qwen2.5-vl-7b-4l \
             --family qwen2_5_vl --variants eager liger fuseforge --json "$OUT/vlm.json" ;;
+        engine-distill) for t in "" llama-1b; do STEP_TIMEOUT=200 run_step "$step-${t:-none}" python3 -m \
+            fuseforge_flyte.training --model llama-1b --dataset bench:synthetic --steps 20 --batch-size 4 \
+            --seq-len 2048 --dtype bf16 --kernels --teacher "$t" --output "$OUT/distill-${t:-none}.json"; done ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done

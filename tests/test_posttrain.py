@@ -14,6 +14,8 @@ import torch
 
 pytest.importorskip("trl")
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 from fuseforge_flyte.posttrain.dpo import (DPOSettings, _fused, check_scored, dpo_trainer,  # noqa: E402
                                           score_reference, train_dpo)
 from fuseforge_flyte.posttrain.preferences import load_prepared, prepare_preferences  # noqa: E402
@@ -100,7 +102,8 @@ def test_policy_trains_on_the_fused_loss_against_the_scored_reference(scored, tm
     _, _, out = scored
     metrics, preference = train_dpo(_settings(), out, str(tmp_path / "model"))
     assert preference.fused_loss, preference.notes
-    assert metrics.loss_curve[0] == pytest.approx(math.log(2), abs=2e-6)
+    # fp32 on the CPU; on a GPU both passes run under bf16 autocast (a misaligned pair is off by nats, not 1e-3)
+    assert metrics.loss_curve[0] == pytest.approx(math.log(2), abs=2e-6 if DEVICE == "cpu" else 1e-3)
     assert metrics.steps == 3 and len(preference.accuracy_curve) == 3
     assert preference.eval_reward_accuracy is not None
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -179,7 +179,8 @@ def test_rope_call_forms_match_their_original_function(family, inputs, dtype):
     ff.apply_kernels(model)
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     install = rope_patch._INSTALLS[(module.__name__, "apply_rotary_pos_emb")]
-    tensors, (cos, sin), kwargs = inputs(dtype)
+    with torch.device(DEVICE):  # the kernels run where the models do (the GPU when there is one)
+        tensors, (cos, sin), kwargs = inputs(dtype)
     tensors = [t.requires_grad_() for t in tensors]
     tensors64 = [t.detach().double().requires_grad_() for t in tensors]
     token = rope_patch._ACTIVE.set(True)  # as inside a patched attention forward
