@@ -133,24 +133,25 @@ def _rows(scale: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return scale if scale.numel() == 1 else scale[start:stop]
 
 
-def _first_block_in_grad_weight(hidden, weight, bias, target, opts, scale, grads, slice_rows, loss, lse) -> int:
-    """Process the first min(N, H) tokens with their logits stored, vocab-major, in grad_weight.
+def _first_block_in_grad_weight(hidden, weight, bias, target, opts, grads, slice_rows, n0, block_stats) -> int:
+    """Process the first n0 <= min(N, H) tokens with their logits stored, vocab-major, in grad_weight.
 
     The transposed logits [V, n0] occupy the END of grad_weight's storage. grad_weight rows
     [v0, v1) are written (from a temporary) only after logits rows [v0, v1) were consumed, and
     they cover elements [v0*H, v1*H), which end before the unconsumed logits rows [v1, V)
-    begin at V*(H - n0) + v1*n0 (because v1 <= V). Returns the number of tokens done.
+    begin at V*(H - n0) + v1*n0 (because v1 <= V). block_stats(logits_t) computes the block's
+    statistics from its logits and returns (the gradient scale: 1 element or n0, the block's lse).
+    Returns n0, the number of tokens done.
     """
     n_vocab, n_hidden = weight.shape
-    n0 = min(hidden.shape[0], n_hidden)
     logits_t = grads.weight.view(-1)[n_vocab * (n_hidden - n0):].view(n_vocab, n0)
     h0 = hidden[:n0]
     if bias is None:
         torch.mm(weight, h0.t(), out=logits_t)
     else:
         torch.addmm(bias.unsqueeze(1), weight, h0.t(), out=logits_t)
-    vocab_major_loss_and_lse(logits_t, target[:n0], opts, loss[:n0], lse[:n0])
-    vocab_major_grad_in_place(logits_t, target[:n0], lse[:n0], _rows(scale, 0, n0), opts)
+    scale, lse = block_stats(logits_t)
+    vocab_major_grad_in_place(logits_t, target[:n0], lse, scale, opts)
     if grads.hidden is not None:
         torch.mm(logits_t.t(), weight, out=grads.hidden[:n0])
     if grads.bias is not None:
@@ -176,7 +177,13 @@ def _sweep(hidden, weight, bias, target, opts: LossOptions, scale, wanted: _Want
     start = 0
     if grads is not None and grads.weight is not None and min(n_tokens, n_hidden) > chunk:
         slice_rows = _round_rows(max(1, chunk * n_vocab // n_hidden))  # staging ~ one chunk of logits
-        start = _first_block_in_grad_weight(hidden, weight, bias, target, opts, scale, grads, slice_rows, loss, lse)
+        n0 = min(n_tokens, n_hidden)
+
+        def block_stats(logits_t):
+            vocab_major_loss_and_lse(logits_t, target[:n0], opts, loss[:n0], lse[:n0])
+            return _rows(scale, 0, n0), lse[:n0]
+
+        start = _first_block_in_grad_weight(hidden, weight, bias, target, opts, grads, slice_rows, n0, block_stats)
     if start < n_tokens:
         scratch = hidden.new_empty(min(chunk, n_tokens - start), n_vocab)
         for s in range(start, n_tokens, chunk):

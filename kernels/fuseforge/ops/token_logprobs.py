@@ -32,6 +32,7 @@ from fuseforge.ops._loss_args import IGNORE_INDEX, check_chunk_size
 from fuseforge.ops.cross_entropy import LossOptions, ce_forward_stats, ce_write_grad, check_target
 from fuseforge.ops.fused_linear_cross_entropy import (
     _autocast_inputs,
+    _first_block_in_grad_weight,
     _Gradients,
     _round_rows,
     _Wanted,
@@ -48,7 +49,7 @@ from fuseforge.ops.utils import (
     check_same_device,
     check_tensor,
 )
-from fuseforge.ops.vocab_major_cross_entropy import vocab_major_grad_in_place, vocab_major_loss_and_lse
+from fuseforge.ops.vocab_major_cross_entropy import vocab_major_loss_and_lse
 
 # token_loss(logp [n] fp32, rows) -> [n]: the loss terms of tokens `rows` (a slice of the flattened tokens).
 TokenLoss = Callable[[torch.Tensor, slice], torch.Tensor]
@@ -151,33 +152,6 @@ def _coefficients(token_loss: TokenLoss, nll: torch.Tensor, valid: torch.Tensor,
     return (-dlogp).to(torch.float32).contiguous()
 
 
-def _first_block_in_grad_weight(hidden, weight, bias, target, opts, grads, stats, slice_rows, n0) -> int:
-    """fused_linear_cross_entropy's first-block layout (its _first_block_in_grad_weight explains why
-    it is safe): the first n0 <= min(N, H) tokens' logits live, vocab-major, at the end of grad_weight's
-    storage; here the per-token scale is computed between the statistics and the gradient."""
-    n_vocab, n_hidden = weight.shape
-    logits_t = grads.weight.view(-1)[n_vocab * (n_hidden - n0):].view(n_vocab, n0)
-    h0 = hidden[:n0]
-    if bias is None:
-        torch.mm(weight, h0.t(), out=logits_t)
-    else:
-        torch.addmm(bias.unsqueeze(1), weight, h0.t(), out=logits_t)
-    scale = stats(0, n0, logits_t, vocab_major=True)
-    vocab_major_grad_in_place(logits_t, target[:n0], stats.lse[:n0], scale, opts)
-    if grads.hidden is not None:
-        torch.mm(logits_t.t(), weight, out=grads.hidden[:n0])
-    if grads.bias is not None:
-        grads.bias += logits_t.sum(1, dtype=torch.float32)
-    staging = weight.new_empty(min(slice_rows, n_vocab), n_hidden)
-    for v0 in range(0, n_vocab, slice_rows):
-        v1 = min(n_vocab, v0 + slice_rows)
-        part = staging[: v1 - v0]
-        torch.mm(logits_t[v0:v1], h0, out=part)
-        grads.weight[v0:v1].copy_(part)
-    grads.weight_started = True
-    return n0
-
-
 class _ChunkStats:
     """Per-token statistics of one sweep, and the callback that turns a chunk's into loss and scale."""
 
@@ -210,7 +184,10 @@ def _objective_sweep(hidden, weight, bias, target, opts, token_loss, wanted: _Wa
     first = min(n_tokens, n_hidden) // align * align
     if grads is not None and grads.weight is not None and first > chunk:
         slice_rows = _round_rows(max(1, chunk * n_vocab // n_hidden))
-        start = _first_block_in_grad_weight(hidden, weight, bias, target, opts, grads, stats, slice_rows, first)
+        start = _first_block_in_grad_weight(
+            hidden, weight, bias, target, opts, grads, slice_rows, first,
+            lambda logits_t: (stats(0, first, logits_t, vocab_major=True), stats.lse[:first]),
+        )
     if start < n_tokens:
         scratch = hidden.new_empty(min(chunk, n_tokens - start), n_vocab)
         for s in range(start, n_tokens, chunk):
