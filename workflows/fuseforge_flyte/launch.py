@@ -6,14 +6,14 @@ own-code task decorator.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import sys
-from typing import Any, Callable, Dict, Iterator, Optional
+from typing import Any, Callable, Dict, Optional
 
-from flytekit import PodTemplate, Resources
+from flytekit import Deck, PodTemplate, Resources
 from flytekit.core.context_manager import FlyteContextManager
 from flytekit.extend import TaskPlugins
 from flytekit.extras.accelerators import GPUAccelerator
@@ -27,7 +27,8 @@ from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, PlatformConfig
 from fuseforge_flyte.image import training_image
 from fuseforge_flyte.training import permanent
 from fuseforge_flyte.training.distributed import SHARED_STORE_ENV
-from fuseforge_flyte.training.spec import CHECKPOINT_OFF
+from fuseforge_flyte.training.environ import environment
+from fuseforge_flyte.training.spec import CHECKPOINT_OFF, TrainMetrics
 
 log = logging.getLogger("fuseforge.training")
 
@@ -66,7 +67,8 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
             launcher = self._one_local_node(launch_env)
         elif kwargs.get(self.checkpoint_input) == "":
             kwargs[self.checkpoint_input] = self._default_checkpoint_dir(launch_env) or CHECKPOINT_OFF
-        with _environment(launch_env), permanent.failure_directory():
+        # an explicit user setting wins over the launch's own
+        with environment(launch_env, override=False), permanent.failure_directory():
             result = launcher.execute(**kwargs)
         permanent.raise_if_failed(result)  # a failure that restarts cannot fix: raised once, not retried
         return result
@@ -96,18 +98,6 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
         return PytorchElasticFunctionTask(task_config=local, task_function=self.task_function)
 
 
-@contextlib.contextmanager
-def _environment(values: Dict[str, str]) -> Iterator[None]:
-    """Set the variables that are not set yet (an explicit user setting wins), then restore."""
-    added = [name for name in values if name not in os.environ]
-    os.environ.update({name: values[name] for name in added})
-    try:
-        yield
-    finally:
-        for name in added:
-            os.environ.pop(name, None)
-
-
 TaskPlugins.register_pythontask_plugin(ElasticTraining, ElasticTrainingTask)
 
 
@@ -123,6 +113,35 @@ def use_triton_interpreter_without_cuda() -> None:
             "set TRITON_INTERPRET=1 in the environment before starting the run"
         )
     os.environ["TRITON_INTERPRET"] = "1"
+
+
+def _returned_metrics(result: Any) -> Optional[TrainMetrics]:
+    if isinstance(result, TrainMetrics):
+        return result
+    if isinstance(result, tuple):
+        return next((r for r in result if isinstance(r, TrainMetrics)), None)
+    return None
+
+
+def on_every_worker(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """fn as each worker of a training task runs it (the built-in one and @training_task's): Triton's
+    interpreter decision first; an error no restart can fix ends the launch (see training/permanent.py);
+    rank 0 adds the "Training metrics" Deck when fn returns a TrainMetrics (alone or in a tuple)."""
+
+    @functools.wraps(fn)  # Flyte names, types and resolves the task by the user's function
+    def run_on_worker(*args: Any, **kwargs: Any) -> Any:
+        use_triton_interpreter_without_cuda()
+        result = permanent.run_worker(lambda: fn(*args, **kwargs), int(os.environ.get("RANK", "0")))
+        if isinstance(result, permanent.FailedPermanently):
+            return result
+        metrics = _returned_metrics(result)
+        if metrics is not None and int(os.environ.get("RANK", "0")) == 0:
+            from fuseforge_flyte.decks import training_deck_html
+
+            Deck("Training metrics", training_deck_html(metrics))
+        return result
+
+    return run_on_worker
 
 
 # ------------------------------------------------------------------------------- decorator arguments

@@ -18,7 +18,6 @@ run the Triton kernels through the interpreter.
 
 from __future__ import annotations
 
-import os
 import tempfile
 from typing import Any, List, NamedTuple, Union
 
@@ -30,8 +29,8 @@ from fuseforge_flyte.comparison import Comparison, compare_metrics
 from fuseforge_flyte.config import get_config
 from fuseforge_flyte.console import ensure_console_logging
 from fuseforge_flyte.inputs import DataFormat, spec_values, summary_only, training_inputs
-from fuseforge_flyte.launch import (data_task_options, summary_task_options, training_task_options,
-                                    use_triton_interpreter_without_cuda)
+from fuseforge_flyte.launch import (data_task_options, on_every_worker, summary_task_options,
+                                    training_task_options)
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 
 
@@ -113,13 +112,10 @@ def prepare_data(
     return FlyteDirectory(path=out_dir)
 
 
-def run_training(spec: TrainSpec) -> TrainOutput:
-    """One elastic worker: train, and on global rank 0 add the metrics Deck (only rank 0's comes back)."""
-    spec.validate()
-    use_triton_interpreter_without_cuda()
+def _train_on_worker(spec: TrainSpec) -> TrainOutput:
+    """One elastic worker's training: the engine, with each save mirrored to the task's Flyte checkpoint."""
     try:
         # Imported only now, after the interpreter decision: the engine imports the Triton kernels.
-        from fuseforge_flyte.decks import training_deck_html
         from fuseforge_flyte.training.engine import train
     except ModuleNotFoundError as exc:
         raise ModuleNotFoundError(
@@ -131,19 +127,19 @@ def run_training(spec: TrainSpec) -> TrainOutput:
     from flytekit.exceptions.user import FlyteRecoverableException
 
     from fuseforge_flyte import flyte_checkpoint
-    from fuseforge_flyte.training import permanent
     from fuseforge_flyte.training.preemption import Preempted
 
     try:
-        metrics = permanent.run_worker(lambda: train(spec, after_checkpoint=flyte_checkpoint.worker_hook()),
-                                       int(os.environ.get("RANK", "0")))
+        metrics = train(spec, after_checkpoint=flyte_checkpoint.worker_hook())
     except Preempted as err:  # SIGTERM: checkpointed; Flyte retries the task and it resumes there
         raise FlyteRecoverableException(str(err)) from err
-    if isinstance(metrics, permanent.FailedPermanently):  # an earlier round failed for good: end the launch
-        return metrics
-    if int(os.environ.get("RANK", "0")) == 0:
-        Deck("Training metrics", training_deck_html(metrics))
     return TrainOutput(metrics=metrics, model=FlyteDirectory(path=spec.output_dir))
+
+
+def run_training(spec: TrainSpec) -> TrainOutput:
+    """One elastic worker, as every training task's (launch.on_every_worker): rank 0 adds the metrics Deck."""
+    spec.validate()
+    return on_every_worker(_train_on_worker)(spec)
 
 
 @task(**training_task_options(CONFIG, check_inputs=check_train_inputs))

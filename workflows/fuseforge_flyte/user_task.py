@@ -2,8 +2,7 @@
 
     from fuseforge_flyte import training_task
     from fuseforge_flyte.measure import FuseforgeMetricsCallback
-    from fuseforge_flyte.training.spec import TrainMetrics
-
+    
     @training_task                        # image, GPUs, CPU, memory, /dev/shm, placement, elastic: platform.toml
     def sft(model: str, steps: int) -> TrainMetrics:
         ...                               # runs on every worker (one per GPU): Trainer, TRL or a plain loop
@@ -41,22 +40,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import functools
 import inspect
 import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence
 
-from flytekit import Deck, task
+from flytekit import task
 from flytekit.extend import TaskPlugins
 from flytekit.image_spec import ImageSpec
 
 from fuseforge_flyte.config import PlatformConfig, Toleration, config_from_dict, get_config
-from fuseforge_flyte.launch import (ElasticTraining, ElasticTrainingTask, training_task_options,
-                                    use_triton_interpreter_without_cuda)
-from fuseforge_flyte.training import permanent
-from fuseforge_flyte.training.spec import TrainMetrics
+from fuseforge_flyte.launch import ElasticTraining, ElasticTrainingTask, on_every_worker, training_task_options
+from fuseforge_flyte.training.environ import environment
 
 # decorator argument -> (platform.toml section, key); validated by the config's own rules
 CONFIG_ARGUMENTS: Dict[str, tuple] = {
@@ -123,17 +119,13 @@ def _importable(module_name: str) -> Iterator[None]:
     if root in sys.path:
         yield
         return
-    saved_path, saved_env = list(sys.path), os.environ.get("PYTHONPATH")
+    saved_path, inherited = list(sys.path), os.environ.get("PYTHONPATH")
     sys.path.insert(0, root)
-    os.environ["PYTHONPATH"] = os.pathsep.join([root] + ([saved_env] if saved_env else []))
     try:
-        yield
+        with environment({"PYTHONPATH": os.pathsep.join([root] + ([inherited] if inherited else []))}):
+            yield
     finally:
         sys.path[:] = saved_path
-        if saved_env is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = saved_env
 
 
 # ------------------------------------------------------------------------------------------ arguments
@@ -208,34 +200,6 @@ def task_options(config: PlatformConfig, *, image: Any = None, environment: Opti
 # ------------------------------------------------------------------------------------------ the decorator
 
 
-def _returned_metrics(result: Any) -> Optional[TrainMetrics]:
-    if isinstance(result, TrainMetrics):
-        return result
-    if isinstance(result, tuple):
-        return next((r for r in result if isinstance(r, TrainMetrics)), None)
-    return None
-
-
-def _on_every_worker(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """fn as each worker runs it: interpreter decision first; an error no restart can fix ends the launch (see
-    training/permanent.py); rank 0 adds the metrics Deck."""
-
-    @functools.wraps(fn)  # Flyte names, types and resolves the task by the user's function
-    def run_on_worker(*args: Any, **kwargs: Any) -> Any:
-        use_triton_interpreter_without_cuda()
-        result = permanent.run_worker(lambda: fn(*args, **kwargs), int(os.environ.get("RANK", "0")))
-        if isinstance(result, permanent.FailedPermanently):
-            return result
-        metrics = _returned_metrics(result)
-        if metrics is not None and int(os.environ.get("RANK", "0")) == 0:
-            from fuseforge_flyte.decks import training_deck_html
-
-            Deck("Training metrics", training_deck_html(metrics))
-        return result
-
-    return run_on_worker
-
-
 def training_task(
     _fn: Optional[Callable[..., Any]] = None,
     *,
@@ -289,7 +253,7 @@ def training_task(
     def decorate(fn: Callable[..., Any]) -> Any:
         if not inspect.isfunction(fn):
             raise TypeError(f"@training_task decorates a function, got {fn!r}")
-        return task(**options)(_on_every_worker(fn))
+        return task(**options)(on_every_worker(fn))
 
     if _fn is not None:
         return decorate(_fn)

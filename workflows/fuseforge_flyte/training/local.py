@@ -17,6 +17,7 @@ import torch
 from fuseforge_flyte.training import permanent
 from fuseforge_flyte.training.distributed import SHARED_STORE_ENV
 from fuseforge_flyte.training.engine import train
+from fuseforge_flyte.training.environ import environment
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 
 
@@ -49,16 +50,8 @@ def run_local(spec: TrainSpec, nproc: int = 2, *, max_restarts: int = 0, start_m
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=max_restarts,
         start_method=start_method, monitor_interval=0.1,
     )
-    previous = os.environ.get(SHARED_STORE_ENV)
-    os.environ[SHARED_STORE_ENV] = "1"
-    try:
-        with permanent.failure_directory():
-            results = elastic_launch(config, _worker)(spec, threads_per_worker)
-        for result in results.values():
-            permanent.raise_if_failed(result)
-        return results
-    finally:
-        if previous is None:
-            os.environ.pop(SHARED_STORE_ENV, None)
-        else:
-            os.environ[SHARED_STORE_ENV] = previous
+    with environment({SHARED_STORE_ENV: "1"}), permanent.failure_directory():
+        results = elastic_launch(config, _worker)(spec, threads_per_worker)
+    for result in results.values():
+        permanent.raise_if_failed(result)
+    return results

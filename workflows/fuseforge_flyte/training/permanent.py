@@ -27,6 +27,8 @@ from typing import Callable, Iterator, Optional, TypeVar
 
 import torch
 
+from fuseforge_flyte.training.environ import environment
+
 PERMANENT_FAILURE_DIR_ENV = "FUSEFORGE_PERMANENT_FAILURE_DIR"
 
 T = TypeVar("T")
@@ -102,16 +104,9 @@ def raise_if_failed(result: object) -> None:
 @contextlib.contextmanager
 def failure_directory() -> Iterator[str]:
     """A fresh directory for one elastic launch (exported to the workers through the environment)."""
-    with tempfile.TemporaryDirectory(prefix="fuseforge-failures-") as directory:
-        previous = os.environ.get(PERMANENT_FAILURE_DIR_ENV)
-        os.environ[PERMANENT_FAILURE_DIR_ENV] = directory
-        try:
-            yield directory
-        finally:
-            if previous is None:
-                os.environ.pop(PERMANENT_FAILURE_DIR_ENV, None)
-            else:
-                os.environ[PERMANENT_FAILURE_DIR_ENV] = previous
+    with tempfile.TemporaryDirectory(prefix="fuseforge-failures-") as directory, \
+            environment({PERMANENT_FAILURE_DIR_ENV: directory}):
+        yield directory
 
 
 def first_step_out_of_memory(error: torch.OutOfMemoryError, *, what: str) -> FirstStepOutOfMemory:
