@@ -23,16 +23,16 @@ run_step() {
 }
 for step in "$@"; do
     case "$step" in
-        tests-kernels) run_step "$step" python3 -m pytest -q -x -p no:cacheprovider tests/test_cross_entropy.py \
-            tests/test_fused_linear_cross_entropy.py tests/test_rms_norm.py tests/test_layer_norm.py tests/test_bad_inputs.py ;;
-        tests-all-kernels) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_cross_entropy.py \
-            tests/test_fused_linear_cross_entropy.py tests/test_rms_norm.py tests/test_layer_norm.py tests/test_bad_inputs.py \
-            tests/test_glu.py tests/test_rope.py tests/test_jsd.py tests/test_kl_div.py tests/test_transformers_patching.py ;;
-        tests-issue16) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_glu.py tests/test_jsd.py \
-            tests/test_cross_entropy.py tests/test_layer_norm.py tests/test_bad_inputs.py tests/test_data_path.py \
-            tests/test_finetune.py -k "not workflow" ;;
+        tests-kernels) run_step "$step" python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_cross_entropy.py \
+            tests/kernels/test_fused_linear_cross_entropy.py tests/kernels/test_rms_norm.py tests/kernels/test_layer_norm.py tests/kernels/test_bad_inputs.py ;;
+        tests-all-kernels) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_cross_entropy.py \
+            tests/kernels/test_fused_linear_cross_entropy.py tests/kernels/test_rms_norm.py tests/kernels/test_layer_norm.py tests/kernels/test_bad_inputs.py \
+            tests/kernels/test_glu.py tests/kernels/test_rope.py tests/kernels/test_jsd.py tests/kernels/test_kl_div.py tests/hf/test_transformers_patching.py ;;
+        tests-issue16) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_glu.py tests/kernels/test_jsd.py \
+            tests/kernels/test_cross_entropy.py tests/kernels/test_layer_norm.py tests/kernels/test_bad_inputs.py tests/platform/test_data_path.py \
+            tests/platform/test_finetune.py -k "not workflow" ;;
         seed-710610153) FUSEFORGE_SEED=710610153 run_step "$step" python3 -m pytest -q -p no:cacheprovider \
-            "tests/test_layer_norm.py::test_layer_norm_matches_reference[torch.float32-(1, 1)]" ;;
+            "tests/kernels/test_layer_norm.py::test_layer_norm_matches_reference[torch.float32-(1, 1)]" ;;
         data-path) run_step "$step" python3 benchmarks/bench_data_path.py --data .gpu/chat2048 --json "$OUT/data-path.json" ;;
         tune-norms) run_step "$step" python3 benchmarks/tune.py --op rms_norm --op layer_norm \
             --shape 4096,1024 --shape 2048,16384 --shape 16384,4096 ;;
@@ -48,24 +48,24 @@ for step in "$@"; do
             --op fused_add_rms_norm --op cross_entropy --op swiglu --json "$OUT/sweep.json" ;;
         flce) run_step "$step" python3 benchmarks/bench_flce.py --impls fuseforge,liger ;;
         model) run_step "$step" python3 benchmarks/bench_model.py --variants liger fuseforge ;;
-        tests-issue19) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_preference_losses.py \
-            tests/test_grpo_loss.py ;;
-        tests-issue18) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_trainer_integration.py \
-            tests/test_trainer_fused_losses.py ;;
-        tests-issue20) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_rope.py tests/test_transformers_tiny_models.py \
-            tests/test_transformers_patching.py ;;
-        tests-export) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_model_export.py ;;
+        tests-issue19) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_preference_losses.py \
+            tests/kernels/test_grpo_loss.py ;;
+        tests-issue18) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/hf/test_trainer_integration.py \
+            tests/hf/test_trainer_fused_losses.py ;;
+        tests-issue20) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rope.py tests/hf/test_transformers_tiny_models.py \
+            tests/hf/test_transformers_patching.py ;;
+        tests-export) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/platform/test_model_export.py ;;
         bench-preference) STEP_TIMEOUT=480 run_step "$step" python3 benchmarks/bench_preference.py --out "$OUT/pref.json" ;;
         bench-trainer) STEP_TIMEOUT=480 run_step "$step" python3 benchmarks/bench_trainer.py --out "$OUT/trainer.json" ;;
         bench-trainer-fp32w) STEP_TIMEOUT=480 run_step "$step" python3 benchmarks/bench_trainer.py --fp32-weights --out "$OUT/trainer-fp32w.json" ;;
         engine-llama1b) for k in kernels no-kernels; do STEP_TIMEOUT=240 run_step "$step-$k" python3 -m \
             fuseforge_flyte.training --model llama-1b --dataset bench:synthetic --steps 30 --batch-size 4 \
             --seq-len 2048 --dtype bf16 --$k --output "$OUT/engine-$k.json"; done ;;
-        tests-issue19b) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_preference_losses.py \
-            tests/test_grpo_loss.py tests/test_distillation.py tests/test_trainer_fused_losses.py tests/test_posttrain.py ;;
-        tests-issue20b) STEP_TIMEOUT=420 run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/test_rope.py \
-            tests/test_clamped_swiglu.py tests/test_transformers_tiny_models.py tests/test_transformers_patching.py \
-            tests/test_transformers_convergence.py tests/test_transformers_multimodal.py ;;
+        tests-issue19b) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_preference_losses.py \
+            tests/kernels/test_grpo_loss.py tests/hf/test_distillation.py tests/hf/test_trainer_fused_losses.py tests/platform/test_posttrain.py ;;
+        tests-issue20b) STEP_TIMEOUT=420 run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rope.py \
+            tests/kernels/test_clamped_swiglu.py tests/hf/test_transformers_tiny_models.py tests/hf/test_transformers_patching.py \
+            tests/hf/test_transformers_convergence.py tests/hf/test_transformers_multimodal.py ;;
         bench-moe) STEP_TIMEOUT=300 run_step "$step" python3 benchmarks/bench_model.py --preset qwen3-moe-30b-a3b-4l \
             --family qwen3_moe --variants eager liger fuseforge --json "$OUT/moe.json" ;;
         bench-vlm) STEP_TIMEOUT=300 run_step "$step" python3 benchmarks/bench_model.py --preset qwen2.5-vl-7b-4l \

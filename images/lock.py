@@ -31,7 +31,7 @@ INDEX_URL = "https://pypi.org/simple"
 IN_HEADER = (
     "# The training image's direct requirements, from pyproject.toml's extras (`python -m fuseforge_flyte.cli\n"
     "# requirements`). Do not install this file: images/lock.py resolves it into the hash-locked\n"
-    "# images/requirements.txt, which images/Dockerfile installs. tests/test_flyte_image.py fails when it is stale.\n"
+    "# images/requirements.txt, which images/Dockerfile installs. tests/deploy/test_flyte_image.py fails when it is stale.\n"
 )
 TXT_HEADER = (
     "# Hash-locked requirements of the training image, made by `python images/lock.py` from images/requirements.in\n"

@@ -25,7 +25,7 @@ from fuseforge_flyte.config import CONFIG_PATH_ENV, OVERRIDE_ENV_PREFIX, ConfigE
 
 REQUIREMENTS_HEADER = (
     "# Generated from pyproject.toml by `python -m fuseforge_flyte.cli requirements > images/requirements.txt`;\n"
-    "# tests/test_flyte_image.py fails when it is stale. torch is installed before these, from the CUDA index.\n"
+    "# tests/deploy/test_flyte_image.py fails when it is stale. torch is installed before these, from the CUDA index.\n"
 )
 WORKFLOW_FILES = {"train": "workflows/train.py", "compare": "workflows/compare.py"}
 

@@ -32,7 +32,7 @@ from fuseforge_flyte.tasks import DEFAULTS, summarize_comparison, train_model
 from fuseforge_flyte.training.spec import TrainSpec
 from fuseforge_flyte.workflows import compare, distill, dpo, train
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 MULTI_NODE = """
 [image]

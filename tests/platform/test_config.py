@@ -17,7 +17,7 @@ from fuseforge_flyte.config import (
     load_config,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 REQUIRED = """
 [image]
 registry = "ghcr.io/acme"

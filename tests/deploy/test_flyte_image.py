@@ -33,7 +33,7 @@ from fuseforge_flyte.image import (
     training_image,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

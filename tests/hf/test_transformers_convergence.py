@@ -401,7 +401,7 @@ def test_cross_entropy_flag_replaces_the_logits_loss(monkeypatch):
 
 
 def _load_example(name: str):
-    path = Path(__file__).resolve().parent.parent / "examples" / f"{name}.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"fuseforge_example_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -331,7 +331,7 @@ def gkd_trainer(tokenizer, tmp_path):
     )
 
 
-# DPOTrainer's and GRPOTrainer's losses run through fused losses: tests/test_trainer_fused_losses.py.
+# DPOTrainer's and GRPOTrainer's losses run through fused losses: tests/hf/test_trainer_fused_losses.py.
 OWN_LOSS_TRAINERS = {
     "KTOTrainer": (kto_trainer, "ref_model"),
     "GKDTrainer": (gkd_trainer, "teacher_model"),

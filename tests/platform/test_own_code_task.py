@@ -36,7 +36,7 @@ from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, ConfigError, load_config
 from fuseforge_flyte.measure import StepMeter
 from fuseforge_flyte.training.spec import TrainMetrics
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples" / "flyte"
 CUDA = torch.cuda.is_available()
 WORKERS = min(2, torch.cuda.device_count()) if CUDA else 2  # [elastic].local_nproc_per_node, capped at the GPUs

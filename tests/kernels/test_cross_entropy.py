@@ -402,7 +402,7 @@ def test_ignore_index_inside_vocab_is_not_an_error():
 
 @pytest.mark.parametrize("ignore_index", [2**63 - 1, -(2**63)])
 def test_ignore_index_at_the_int64_limits(ignore_index):
-    """Every int64 is a valid ignore_index (one step further is a ValueError, tests/test_bad_inputs.py)."""
+    """Every int64 is a valid ignore_index (one step further is a ValueError, tests/kernels/test_bad_inputs.py)."""
     target = torch.tensor([0, ignore_index, 3, ignore_index])
     loss, grad, ref, _ = _run(torch.randn(4, 5), target, "mean", ignore_index=ignore_index)
     assert_close(loss, ref, torch.float32)

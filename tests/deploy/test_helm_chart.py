@@ -36,7 +36,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "fuseforge"
 PLATFORM_CHART = CHART / "charts" / "platform"
 MULTINODE_VALUES = CHART / "ci" / "multinode-h200-values.yaml"

@@ -1,6 +1,6 @@
 """Compile every fuseforge Triton kernel for Hopper (sm_90) without a GPU.
 
-Run as a script (by tests/test_sm90_compile.py) in a process WITHOUT TRITON_INTERPRET,
+Run as a script (by tests/kernels/test_sm90_compile.py) in a process WITHOUT TRITON_INTERPRET,
 so that @triton.jit builds real JIT functions; triton.compile then lowers them through
 TTIR/TTGIR/LLVM to PTX and runs the bundled ptxas for sm_90. This catches what the CPU
 interpreter cannot: constructs the GPU compiler rejects, wrong constexpr handling,

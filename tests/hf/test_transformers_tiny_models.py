@@ -431,7 +431,7 @@ def test_readme_table_of_supported_models_is_the_family_table():
     """The README's table is families.fused_table() verbatim: one source of truth."""
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert fused_table() in readme, "README's supported-models table is stale: paste families.fused_table()"
 
 
