@@ -95,7 +95,7 @@ def section_first(h, w):
 
 def section_ce():
     from fuseforge.ops.cross_entropy import LossOptions, ce_forward_stats, ce_write_grad
-    from fuseforge.ops.vocab_major_cross_entropy import vocab_major_grad_in_place, vocab_major_loss_and_lse
+    from fuseforge.ops._shared.vocab_major_cross_entropy import vocab_major_grad_in_place, vocab_major_loss_and_lse
 
     opts = LossOptions(label_smoothing=0.1)
     scale = torch.full((1,), 1e-3, device="cuda")

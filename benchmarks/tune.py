@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import run  # noqa: E402
 from common import fwd_bwd, time_ms  # noqa: E402
 
-from fuseforge.ops import glu, rope, rowwise  # noqa: E402
+from fuseforge.ops import glu, rope  # noqa: E402
+from fuseforge.ops._shared import rowwise  # noqa: E402
 
 ROWWISE = {  # (rows narrower than rowwise.GPU_WIDE_ROW, wider rows)
     "GPU_ELEMENTS_PER_THREAD": [(8, 8), (16, 16), (32, 32), (32, 16)],

@@ -23,8 +23,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fuseforge.ops import cross_entropy as ce
-from fuseforge.ops import glu, jsd, kl_div, layer_norm, rms_norm, rope, rowwise, scaling, targets
-from fuseforge.ops import vocab_major_cross_entropy as vm
+from fuseforge.ops import glu, jsd, kl_div, layer_norm, rms_norm, rope
+from fuseforge.ops._shared import rowwise, scaling, targets
+from fuseforge.ops._shared import vocab_major_cross_entropy as vm
 
 TARGET = GPUTarget("cuda", 90, 32)
 # `--resources`: also print each variant's registers and spills (LOCAL > 0 means spilled).

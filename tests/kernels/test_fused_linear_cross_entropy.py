@@ -11,7 +11,7 @@ from ce_reference import random_targets, reference_cross_entropy, reference_lse
 from fuseforge.modules.losses import FusedLinearCrossEntropyLoss
 from fuseforge.ops.cross_entropy import LossOptions
 from fuseforge.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
-from fuseforge.ops.vocab_major_cross_entropy import vocab_major_loss_and_lse
+from fuseforge.ops._shared.vocab_major_cross_entropy import vocab_major_loss_and_lse
 from tolerances import assert_close
 
 REDUCTIONS = ["mean", "sum", "none"]

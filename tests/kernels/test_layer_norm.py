@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from fuseforge.modules.norms import LayerNorm
 from fuseforge.ops import layer_norm as layer_norm_module
-from fuseforge.ops import rowwise
+from fuseforge.ops._shared import rowwise
 from fuseforge.ops.layer_norm import layer_norm
 from norm_checks import assert_matches_reference, force_split_backward, least_precise
 from tolerances import assert_close

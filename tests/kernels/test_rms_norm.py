@@ -8,7 +8,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from fuseforge.ops.rms_norm import fused_add_rms_norm, rms_norm
 from fuseforge.modules.norms import FusedAddRMSNorm, RMSNorm
 from fuseforge.ops import rms_norm as rms_norm_module
-from fuseforge.ops import rowwise
+from fuseforge.ops._shared import rowwise
 from norm_checks import assert_matches_reference, force_split_backward, least_precise
 from tolerances import assert_close
 

@@ -9,7 +9,7 @@ lands across a rounding boundary (~1e-4 of elements), a misplaced rounding on ~2
 
 import torch
 
-from fuseforge.ops import rowwise
+from fuseforge.ops._shared import rowwise
 from tolerances import assert_close, tol
 
 

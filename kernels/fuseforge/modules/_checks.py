@@ -1,4 +1,4 @@
-"""Constructor argument checks shared by the modules (tensor-argument checks live in fuseforge.ops.utils)."""
+"""Constructor argument checks shared by the modules (tensor-argument checks live in fuseforge.ops._shared.utils)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from fuseforge.ops.glu import _as_rows, _launch_config, _tile
-from fuseforge.ops.utils import FLOAT_DTYPES, check_device_supported, check_tensor, upcast
+from fuseforge.ops._shared.utils import FLOAT_DTYPES, check_device_supported, check_tensor, upcast
 
 LAYOUTS = ("interleaved", "concatenated")
 

@@ -14,7 +14,7 @@ and gradient several more. Here the logits only ever exist one chunk at a time:
   as their scratch: before grad_weight holds anything, its V*H elements fit the logits of H
   tokens, stored vocab-major ([V, tokens]). grad_weight is then produced in vocab slices
   through a small temporary, each slice overwriting only rows whose logits are consumed.
-  That block's cross-entropy runs on ops/vocab_major_cross_entropy.py (tiles whose
+  That block's cross-entropy runs on ops/_shared/vocab_major_cross_entropy.py (tiles whose
   reduction stays in a thread on this layout); token-major chunks use ops/cross_entropy.py.
 * Where the time goes (H200, 8192 x 4096 -> 128256 bf16, 256-token chunks): the GEMMs at
   full size take ~37 ms; each of the 16 chunks after the first block adds a beta=1 GEMM over
@@ -36,7 +36,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from fuseforge.ops._loss_args import IGNORE_INDEX, MIN_CHUNK_TOKENS, check_chunk_size
+from fuseforge.ops._shared.loss_args import IGNORE_INDEX, MIN_CHUNK_TOKENS, check_chunk_size
 from fuseforge.ops.cross_entropy import (
     LossOptions,
     ce_forward_stats,
@@ -44,16 +44,16 @@ from fuseforge.ops.cross_entropy import (
     check_loss_options,
     check_target,
 )
-from fuseforge.ops.scaling import scale_unless_one
-from fuseforge.ops.targets import raise_pending_target_errors, scan_targets
-from fuseforge.ops.utils import (
+from fuseforge.ops._shared.scaling import scale_unless_one
+from fuseforge.ops._shared.targets import raise_pending_target_errors, scan_targets
+from fuseforge.ops._shared.utils import (
     TRAINING_DTYPES,
     check_device_supported,
     check_same_device,
     check_same_dtype,
     check_tensor,
 )
-from fuseforge.ops.vocab_major_cross_entropy import vocab_major_grad_in_place, vocab_major_loss_and_lse
+from fuseforge.ops._shared.vocab_major_cross_entropy import vocab_major_grad_in_place, vocab_major_loss_and_lse
 
 # Logits scratch per chunk (and the grad_weight slice temporary), the only O(V) extra memory.
 DEFAULT_CHUNK_BYTES = 64 * 2**20
@@ -70,7 +70,7 @@ def _round_rows(rows: int) -> int:
     return max(rows, 1)
 
 
-# The floor is MIN_CHUNK_TOKENS (ops/_loss_args.py says why): only vocabularies above 128k
+# The floor is MIN_CHUNK_TOKENS (ops/_shared/loss_args.py says why): only vocabularies above 128k
 # (bf16) go past DEFAULT_CHUNK_BYTES because of it (256k: 125 MiB, as Liger-Kernel takes there).
 def default_chunk_tokens(n_vocab: int, element_size: int, hidden_bytes: int = 0) -> int:
     """Tokens per chunk: logits within DEFAULT_CHUNK_BYTES or the size of the hidden states

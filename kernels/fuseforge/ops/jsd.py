@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from fuseforge.ops._loss_args import IGNORE_INDEX, MIN_CHUNK_TOKENS, check_chunk_size
-from fuseforge.ops.utils import (
+from fuseforge.ops._shared.loss_args import IGNORE_INDEX, MIN_CHUNK_TOKENS, check_chunk_size
+from fuseforge.ops._shared.utils import (
     TRAINING_DTYPES,
     check_device_supported,
     check_int64,

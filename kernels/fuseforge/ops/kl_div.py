@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from fuseforge.ops.utils import (
+from fuseforge.ops._shared.utils import (
     TRAINING_DTYPES,
     check_device_supported,
     check_reduction,

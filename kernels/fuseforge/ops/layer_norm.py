@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseforge.ops.rowwise import (
+from fuseforge.ops._shared.rowwise import (
     as_rows,
     compute_dtype,
     param_grads,
@@ -31,7 +31,7 @@ from fuseforge.ops.rowwise import (
     split_backward,
     sum_partials,
 )
-from fuseforge.ops.utils import check_device_supported, check_positive, check_same_device, check_tensor, is_interpreter
+from fuseforge.ops._shared.utils import check_device_supported, check_positive, check_same_device, check_tensor, is_interpreter
 
 
 @triton.jit

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseforge.ops.rowwise import (
+from fuseforge.ops._shared.rowwise import (
     as_rows,
     compute_dtype,
     param_grads,
@@ -48,7 +48,7 @@ from fuseforge.ops.rowwise import (
     split_backward,
     sum_partials,
 )
-from fuseforge.ops.utils import (
+from fuseforge.ops._shared.utils import (
     check_device_supported,
     check_positive,
     check_same_device,

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseforge.ops.utils import (
+from fuseforge.ops._shared.utils import (
     FLOAT_DTYPES,
     check_device_supported,
     check_same_device,

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
-from fuseforge.ops._loss_args import IGNORE_INDEX, check_chunk_size
+from fuseforge.ops._shared.loss_args import IGNORE_INDEX, check_chunk_size
 from fuseforge.ops.cross_entropy import LossOptions, ce_forward_stats, ce_write_grad, check_target
 from fuseforge.ops.fused_linear_cross_entropy import (
     _autocast_inputs,
@@ -39,9 +39,9 @@ from fuseforge.ops.fused_linear_cross_entropy import (
     default_chunk_tokens,
     fused_linear_cross_entropy,
 )
-from fuseforge.ops.scaling import scale_unless_one
-from fuseforge.ops.targets import raise_pending_target_errors, scan_targets
-from fuseforge.ops.utils import (
+from fuseforge.ops._shared.scaling import scale_unless_one
+from fuseforge.ops._shared.targets import raise_pending_target_errors, scan_targets
+from fuseforge.ops._shared.utils import (
     TRAINING_DTYPES,
     check_device_supported,
     check_int64,
@@ -49,7 +49,7 @@ from fuseforge.ops.utils import (
     check_same_device,
     check_tensor,
 )
-from fuseforge.ops.vocab_major_cross_entropy import vocab_major_loss_and_lse
+from fuseforge.ops._shared.vocab_major_cross_entropy import vocab_major_loss_and_lse
 
 # token_loss(logp [n] fp32, rows) -> [n]: the loss terms of tokens `rows` (a slice of the flattened tokens).
 TokenLoss = Callable[[torch.Tensor, slice], torch.Tensor]

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fuseforge.functional import cross_entropy, fused_linear_cross_entropy, fused_linear_jsd
-from fuseforge.ops._loss_args import IGNORE_INDEX
+from fuseforge.ops._shared.loss_args import IGNORE_INDEX
 
 
 LOSS_SPEC_ATTR = "_fuseforge_loss"  # where a patched causal LM keeps its LossSpec

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from fuseforge.ops._loss_args import check_chunk_size
+from fuseforge.ops._shared.loss_args import check_chunk_size
 from fuseforge.transformers import rope as rope_patch
 from fuseforge.transformers._swap import is_fused, restore, swap
 from fuseforge.transformers.families import FAMILIES, Family, family_for_model_type

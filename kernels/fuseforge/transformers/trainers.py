@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fuseforge.ops._loss_args import IGNORE_INDEX
+from fuseforge.ops._shared.loss_args import IGNORE_INDEX
 from fuseforge.ops.grpo import fused_linear_grpo_loss
 from fuseforge.ops.preference import fused_linear_dpo_loss, fused_linear_kto_kl, fused_linear_kto_loss
 from fuseforge.transformers.loss import LOSS_SPEC_ATTR

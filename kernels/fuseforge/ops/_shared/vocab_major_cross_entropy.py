@@ -33,7 +33,7 @@ from fuseforge.ops.cross_entropy import (
     load_target_logit,
     store_split_stats,
 )
-from fuseforge.ops.utils import is_interpreter, num_programs_hint
+from fuseforge.ops._shared.utils import is_interpreter, num_programs_hint
 
 
 @triton.jit

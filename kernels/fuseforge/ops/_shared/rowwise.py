@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseforge.ops.utils import MAX_FUSED_SIZE, is_interpreter, num_programs_hint, row_launch_config
+from fuseforge.ops._shared.utils import MAX_FUSED_SIZE, is_interpreter, num_programs_hint, row_launch_config
 
 # GPU: a tile holds about this many elements (one 4096-wide row, four 1024-wide rows, ...).
 GPU_TILE_ELEMENTS = 4096

@@ -16,8 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseforge.ops.rowwise import round_to
-from fuseforge.ops.utils import is_interpreter, num_programs_hint
+from fuseforge.ops._shared.rowwise import round_to
+from fuseforge.ops._shared.utils import is_interpreter, num_programs_hint
 
 _BLOCK = 4096
 _GPU_PROGRAMS_PER_SM = 8

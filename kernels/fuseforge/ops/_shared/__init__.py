@@ -1,0 +1,2 @@
+"""What the ops share and nobody else should import: loss arguments, row-wise launch helpers, input checks,
+gradient scaling, target scanning and the vocabulary-major cross-entropy pieces of the fused losses."""
