@@ -299,21 +299,6 @@ def test_apply_kernels_names_what_it_cannot_patch(tokenizer, tmp_path):
 PROMPTS = ["the cat", "hello world", "a b c", "one two"]
 
 
-def kto_trainer(tokenizer, tmp_path):
-    model = tiny_llama(tokenizer)
-    data = datasets.Dataset.from_dict(
-        {
-            "prompt": PROMPTS,
-            "completion": [" sat", " and more", " d e f", " three"],
-            "label": [True, False, True, False],
-        }
-    )
-    args = trl.KTOConfig(**common_args(tmp_path, max_length=32))
-    return trl.KTOTrainer(
-        model=model, ref_model=copy.deepcopy(model), args=args, train_dataset=data, processing_class=tokenizer
-    )
-
-
 def gkd_trainer(tokenizer, tmp_path):
     from trl.experimental.gkd import GKDConfig, GKDTrainer
 
@@ -331,9 +316,8 @@ def gkd_trainer(tokenizer, tmp_path):
     )
 
 
-# DPOTrainer's and GRPOTrainer's losses run through fused losses: tests/hf/test_trainer_fused_losses.py.
+# DPOTrainer's, KTOTrainer's and GRPOTrainer's losses run through fused losses: tests/hf/test_trainer_fused_losses.py.
 OWN_LOSS_TRAINERS = {
-    "KTOTrainer": (kto_trainer, "ref_model"),
     "GKDTrainer": (gkd_trainer, "teacher_model"),
 }
 
