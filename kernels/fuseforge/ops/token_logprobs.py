@@ -259,15 +259,22 @@ def fused_linear_token_objective(
     temperature = check_positive("temperature", temperature)
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     hidden, bias = _tempered(hidden, bias, temperature)
+    return _objective(hidden, weight, bias, target, token_loss, ignore_index, chunk_size, 1,
+                      "fused_linear_token_objective")
+
+
+def _objective(hidden, weight, bias, target, token_loss, ignore_index, chunk_size, align, op_name):
+    """The sweep both objectives run, on inputs already cast for autocast: chunks of a multiple of `align`
+    tokens (at least one), the targets scanned, the loss and gradients from _TokenObjectiveFunction."""
     n_vocab, n_hidden = weight.shape
     chunk = check_chunk_size(chunk_size) or default_chunk_tokens(
         n_vocab, hidden.element_size(), hidden.numel() * hidden.element_size()
     )
+    chunk = max(align, chunk // align * align)
     flat_target = target.reshape(-1).to(torch.int64).contiguous()
-    scan_targets(flat_target, n_vocab, ignore_index, "fused_linear_token_objective")
-    flat_hidden = hidden if hidden.dim() == 2 else hidden.reshape(-1, n_hidden)
+    scan_targets(flat_target, n_vocab, ignore_index, op_name)
     total, logps = _TokenObjectiveFunction.apply(
-        flat_hidden.contiguous(),
+        hidden.reshape(-1, n_hidden).contiguous(),
         weight.contiguous(),
         None if bias is None else bias.contiguous(),
         flat_target,
@@ -275,6 +282,7 @@ def fused_linear_token_objective(
         token_loss,
         chunk,
         torch.is_grad_enabled(),
+        align,
     )
     return total, logps.view(target.shape)
 
@@ -312,30 +320,12 @@ def fused_linear_sequence_objective(
         raise ValueError(f"group_size must be a positive integer dividing the {n_seqs} sequences, got {group_size!r}")
     ignore_index = check_int64("ignore_index", ignore_index)
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
-    n_vocab, n_hidden = weight.shape
-    align = group_size * seq_len
-    chunk = check_chunk_size(chunk_size) or default_chunk_tokens(
-        n_vocab, hidden.element_size(), hidden.numel() * hidden.element_size()
-    )
-    chunk = max(align, chunk // align * align)
-    flat_target = target.reshape(-1).to(torch.int64).contiguous()
-    scan_targets(flat_target, n_vocab, ignore_index, "fused_linear_sequence_objective")
 
     def token_loss(logp: torch.Tensor, rows: slice) -> torch.Tensor:
         return group_loss(logp.view(-1, seq_len), rows.start // seq_len)
 
-    total, logps = _TokenObjectiveFunction.apply(
-        hidden.reshape(-1, n_hidden).contiguous(),
-        weight.contiguous(),
-        None if bias is None else bias.contiguous(),
-        flat_target,
-        LossOptions(ignore_index=ignore_index),
-        token_loss,
-        chunk,
-        torch.is_grad_enabled(),
-        align,
-    )
-    return total, logps.view(target.shape)
+    return _objective(hidden, weight, bias, target, token_loss, ignore_index, chunk_size, group_size * seq_len,
+                      "fused_linear_sequence_objective")
 
 
 def check_reference_inputs(
