@@ -136,7 +136,7 @@ FAMILY_CONFIGS = {
         ),
         output_router_logits=True,  # the router aux loss must be added to the fused loss
         router_aux_loss_coef=0.05,
-        swiglu_limit=0.2,
+        swiglu_limit=0.5,  # clamps some gate/up values, few near the bound (the clamp itself: test_clamped_swiglu)
     ),
     # Three layers, to cover every per-layer kind: sliding (head_dim 16, default RoPE), full (head_dim 32,
     # proportional RoPE on a quarter of it, keys as values, one KV head), and a full layer that reuses the
