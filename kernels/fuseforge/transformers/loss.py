@@ -41,6 +41,10 @@ from fuseforge.ops._shared.loss_args import IGNORE_INDEX
 
 
 LOSS_SPEC_ATTR = "_fuseforge_loss"  # where a patched causal LM keeps its LossSpec
+# Text-config attributes with which families scale or cap their logits after the LM head: the trainer losses
+# (fused DPO, KTO, GRPO) and a distillation teacher's head, which compute plain logits, refuse such models.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
+                    "logits_scaling")
 
 
 @dataclass(frozen=True)

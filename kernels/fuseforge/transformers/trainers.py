@@ -79,7 +79,7 @@ from torch import nn
 from fuseforge.ops._shared.loss_args import IGNORE_INDEX
 from fuseforge.ops.grpo import fused_linear_grpo_loss
 from fuseforge.ops.preference import fused_linear_dpo_loss, fused_linear_kto_kl, fused_linear_kto_loss
-from fuseforge.transformers.loss import LOSS_SPEC_ATTR
+from fuseforge.transformers.loss import LOGIT_TRANSFORMS, LOSS_SPEC_ATTR
 from fuseforge.transformers.patching import _STATE_ATTR, apply_kernels, unpatch
 from fuseforge.transformers.report import PatchReport
 
@@ -244,9 +244,6 @@ def _adapt_sft(trainer, model: nn.Module, options: dict | None = None) -> None:
 DPO_LOGITS_METRICS = ("entropy", "mean_token_accuracy")
 # Batch keys DPOTrainer keeps out of the model's forward.
 _DPO_NON_MODEL_KEYS = frozenset({"completion_mask", "ref_chosen_logps", "ref_rejected_logps"})
-# Text-config attributes that scale or cap the logits (TRL's fused head applies them; the fused DPO loss does not).
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier",
-                     "logits_scaling")
 
 
 def _overrides_below(trainer, known: str, names: tuple[str, ...]) -> str | None:
@@ -301,7 +298,7 @@ def _dpo_unsupported(trainer, model: nn.Module) -> str | None:
         if not isinstance(ref, nn.Module) or _backbone(ref) is None:
             return "the reference log-probs come neither from precomputed log-probs nor a reference causal LM"
         ref_config = ref.config.get_text_config() if hasattr(ref.config, "get_text_config") else ref.config
-        if any(getattr(ref_config, name, None) not in (None, 1, 1.0) for name in _LOGIT_TRANSFORMS):
+        if any(getattr(ref_config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
             return "the reference model scales or caps its logits"
     return None
 
@@ -322,7 +319,7 @@ def _common_unsupported(trainer, model: nn.Module, known: str) -> str | None:
     if "peft" in sys.modules and any(type(m).__module__.startswith("peft.") for m in (model, trainer.model)):
         return "a PEFT model (its reference is the model with the adapter disabled)"
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    scaled = [name for name in _LOGIT_TRANSFORMS if getattr(text_config, name, None) not in (None, 1, 1.0)]
+    scaled = [name for name in LOGIT_TRANSFORMS if getattr(text_config, name, None) not in (None, 1, 1.0)]
     if scaled:
         return f"the model scales or caps its logits ({', '.join(scaled)})"
     overridden = _overrides_below(trainer, known, ("compute_loss", "_compute_loss"))
@@ -360,6 +357,16 @@ def _forward_as(module: nn.Module, fn):
 
 
 _MISSING = object()
+
+
+def _reference(trainer, kwargs: dict, precomputed: torch.Tensor | None, device) -> dict:
+    """The reference arguments of a fused preference loss: TRL's precomputed per-sequence log-prob sums, or the
+    frozen reference model's last hidden states and head (computed here without gradient)."""
+    if trainer.precompute_ref_logps:
+        return {"ref_logps": precomputed.to(device)}
+    with torch.no_grad(), _no_checkpointing(trainer):
+        ref_hidden, ref_head = _last_hidden(_unwrap(trainer, trainer.ref_model), kwargs)
+    return {"ref_hidden": ref_hidden.to(device), "ref_weight": ref_head.weight, "ref_bias": ref_head.bias}
 
 
 def _no_checkpointing(trainer):
@@ -412,14 +419,10 @@ def _adapt_dpo(trainer, model: nn.Module, options: dict) -> str | None:
         def fused_step(**kwargs):
             hidden, head = _last_hidden(_unwrap(trainer, model), kwargs)
             target = labels[:, 1:].to(hidden.device)
+            precomputed = None
             if trainer.precompute_ref_logps:
-                ref = {"ref_logps": torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]]).to(
-                    hidden.device)}
-            else:
-                with torch.no_grad(), _no_checkpointing(trainer):
-                    ref_hidden, ref_head = _last_hidden(_unwrap(trainer, trainer.ref_model), kwargs)
-                ref = {"ref_hidden": ref_hidden.to(hidden.device), "ref_weight": ref_head.weight,
-                       "ref_bias": ref_head.bias}
+                precomputed = torch.cat([inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]])
+            ref = _reference(trainer, kwargs, precomputed, hidden.device)
             out = fused_linear_dpo_loss(
                 hidden, head.weight, target, head.bias, **ref, beta=trainer.beta, loss_type=loss_type,
                 label_smoothing=label_smoothing, chunk_size=chunk_size,
@@ -509,13 +512,6 @@ def _adapt_kto(trainer, model: nn.Module, options: dict) -> str | None:
     original = trainer.compute_loss
     chunk_size = options.get("loss_chunk_size")
 
-    def reference(kwargs: dict, precomputed: torch.Tensor | None, device) -> dict:
-        if trainer.precompute_ref_logps:
-            return {"ref_logps": precomputed.to(device)}
-        with torch.no_grad(), _no_checkpointing(trainer):
-            ref_hidden, ref_head = _last_hidden(_unwrap(trainer, trainer.ref_model), kwargs)
-        return {"ref_hidden": ref_hidden.to(device), "ref_weight": ref_head.weight, "ref_bias": ref_head.bias}
-
     def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
         """KTOTrainer._compute_loss's training step with fused_linear_kto_loss in place of TRL's fused LM head."""
         if return_outputs or not trainer.model.training:
@@ -534,7 +530,7 @@ def _adapt_kto(trainer, model: nn.Module, options: dict) -> str | None:
             kl_target = _completion_target(batch["KL_input_ids"], batch["KL_completion_mask"])
             with torch.no_grad():
                 kl_hidden, head = _last_hidden(_unwrap(trainer, model), kl_kwargs)
-                ref = reference(kl_kwargs, batch.get("ref_KL_logps"), kl_hidden.device)
+                ref = _reference(trainer, kl_kwargs, batch.get("ref_KL_logps"), kl_hidden.device)
                 kl = fused_linear_kto_kl(
                     kl_hidden, head.weight, kl_target.to(kl_hidden.device), head.bias, ignore_index=IGNORE_INDEX,
                     chunk_size=chunk_size, **{_KL_REFERENCE_NAMES.get(k, k): v for k, v in ref.items()},
@@ -545,7 +541,7 @@ def _adapt_kto(trainer, model: nn.Module, options: dict) -> str | None:
             hidden, head = _last_hidden(_unwrap(trainer, model), kwargs)
             out = fused_linear_kto_loss(
                 hidden, head.weight, target.to(hidden.device), desirable.to(hidden.device), head.bias,
-                **reference(kwargs, batch.get("ref_logps"), hidden.device), kl=kl, beta=trainer.beta,
+                **_reference(trainer, kwargs, batch.get("ref_logps"), hidden.device), kl=kl, beta=trainer.beta,
                 desirable_weight=trainer.desirable_weight, undesirable_weight=trainer.undesirable_weight,
                 loss_type=trainer.loss_type, chunk_size=chunk_size,
             )

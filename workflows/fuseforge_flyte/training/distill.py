@@ -19,8 +19,6 @@ from fuseforge_flyte.training.spec import TrainSpec
 
 log = logging.getLogger("fuseforge.training")
 
-# Config attributes that change a model's logits after its LM head; the fused JSD computes plain logits.
-LOGIT_TRANSFORMS = ("final_logit_softcapping", "logits_scaling")
 # Batch keys that are not the decoder's input.
 NOT_TEACHER_INPUTS = ("labels", "num_items_in_batch")
 
@@ -51,6 +49,8 @@ class Teacher:
                              f"{spec.model!r} has {vocab}: distillation needs one shared vocabulary (tokenizer)")
         if getattr(head, "bias", None) is not None:
             raise ValueError(f"TrainSpec.teacher: {spec.teacher!r}'s LM head has a bias, which the fused JSD lacks")
+        from fuseforge.transformers.loss import LOGIT_TRANSFORMS  # the fused JSD computes plain logits
+
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         scaled = [name for name in LOGIT_TRANSFORMS if getattr(config, name, None) not in (None, 1, 1.0)]
         if scaled:

@@ -108,8 +108,8 @@ def _looks_like_hf_id(name: str) -> bool:
     return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
 
 
-def unknown_model_message(name: str) -> str:
-    return (f"TrainSpec.model: unknown model {name!r}: use a preset ({', '.join(sorted(PRESETS))}), "
+def unknown_model_message(name: str, field: str = "model") -> str:
+    return (f"TrainSpec.{field}: unknown model {name!r}: use a preset ({', '.join(sorted(PRESETS))}), "
             f"a Hugging Face model directory or its fsspec URI (s3://, gs://, file://), a path to a config.json, "
             f"or a Hugging Face id like 'org/name'")
 

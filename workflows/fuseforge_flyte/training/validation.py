@@ -95,7 +95,7 @@ def _check_distillation(spec) -> None:
     if not spec.teacher:
         return
     if not is_known_model(spec.teacher):
-        raise ValueError(unknown_model_message(spec.teacher).replace("TrainSpec.model", "TrainSpec.teacher"))
+        raise ValueError(unknown_model_message(spec.teacher, "teacher"))
     if not spec.kernels or "fused_linear_cross_entropy" in skipped_kernels(spec):
         raise ValueError("TrainSpec.teacher: distillation runs through the fused loss head (fused linear JSD); "
                          "turn kernels on and keep fused_linear_cross_entropy out of skip_kernels")
