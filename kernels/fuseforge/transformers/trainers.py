@@ -289,17 +289,20 @@ def _dpo_unsupported(trainer, model: nn.Module) -> str | None:
         return "padding-free batches (DPOConfig(padding_free=True))"
     if getattr(trainer, "_is_vision_dataset", False):
         return "vision-language inputs"
-    reason = _common_unsupported(trainer, model, "DPOTrainer")
-    if reason is not None:
-        return reason
-    ref = getattr(trainer, "ref_model", None)
-    if not getattr(trainer, "precompute_ref_logps", False):
-        ref = _unwrap(trainer, ref)
-        if not isinstance(ref, nn.Module) or _backbone(ref) is None:
-            return "the reference log-probs come neither from precomputed log-probs nor a reference causal LM"
-        ref_config = ref.config.get_text_config() if hasattr(ref.config, "get_text_config") else ref.config
-        if any(getattr(ref_config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
-            return "the reference model scales or caps its logits"
+    return _common_unsupported(trainer, model, "DPOTrainer") or _reference_unsupported(trainer)
+
+
+def _reference_unsupported(trainer) -> str | None:
+    """Why the fused preference losses cannot take this trainer's reference (None: they can): they need
+    precomputed log-probs or a reference causal LM whose head gives plain logits."""
+    if getattr(trainer, "precompute_ref_logps", False):
+        return None
+    ref = _unwrap(trainer, getattr(trainer, "ref_model", None))
+    if not isinstance(ref, nn.Module) or _backbone(ref) is None:
+        return "the reference log-probs come neither from precomputed log-probs nor a reference causal LM"
+    ref_config = ref.config.get_text_config() if hasattr(ref.config, "get_text_config") else ref.config
+    if any(getattr(ref_config, name, None) not in (None, 1, 1.0) for name in LOGIT_TRANSFORMS):
+        return "the reference model scales or caps its logits"
     return None
 
 
@@ -483,14 +486,7 @@ def _kto_unsupported(trainer, model: nn.Module) -> str | None:
         return "padding-free batches"
     if getattr(trainer, "_is_vision_dataset", False):
         return "vision-language inputs"
-    reason = _common_unsupported(trainer, model, "KTOTrainer")
-    if reason is not None:
-        return reason
-    if not getattr(trainer, "precompute_ref_logps", False):
-        ref = _unwrap(trainer, getattr(trainer, "ref_model", None))
-        if not isinstance(ref, nn.Module) or _backbone(ref) is None:
-            return "the reference log-probs come neither from precomputed log-probs nor a reference causal LM"
-    return None
+    return _common_unsupported(trainer, model, "KTOTrainer") or _reference_unsupported(trainer)
 
 
 def _completion_target(input_ids: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
