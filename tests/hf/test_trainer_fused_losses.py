@@ -98,6 +98,17 @@ def fuseforge_warnings(caught) -> list[str]:
     return [str(w.message) for w in caught if "fuseforge" in str(w.message)]
 
 
+def train_patched(trainer, tokenizer):
+    """apply_kernels(trainer, loss_chunk_size=CHUNK), then train with the vocabulary-wide tensors spied on:
+    (the report, the step logs, fuseforge's warnings, the spy)."""
+    spy = WideLogits(len(tokenizer), *(m for m in (trainer.model, trainer.ref_model) if m is not None))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = ff.apply_kernels(trainer, loss_chunk_size=CHUNK)
+        logs = train(trainer, spy)
+    return report, logs, fuseforge_warnings(caught), spy
+
+
 @pytest.mark.parametrize(
     "loss_type, reference",
     [("sigmoid", "model"), ("ipo", "log-probs"), ("robust", "model"), ("hinge", "log-probs")],
@@ -121,12 +132,7 @@ def test_dpo_trainer_trains_on_fused_dpo_loss(loss_type, reference, tokenizer, t
     model = trainer.model
     head_calls = []
     model.lm_head.register_forward_hook(lambda m, i, out: head_calls.append(tuple(out.shape)) if m.training else None)
-    spy = WideLogits(len(tokenizer), *(m for m in (model, trainer.ref_model) if m is not None))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        report = ff.apply_kernels(trainer, loss_chunk_size=CHUNK)
-        logs = train(trainer, spy)
-    ours = fuseforge_warnings(caught)
+    report, logs, ours, spy = train_patched(trainer, tokenizer)
     assert len(ours) == 1 and all(m in ours[0] for m in DPO_LOGITS_METRICS), ours
     assert f"trainer: DPOTrainer's training loss is fused_linear_dpo_loss (loss_type={loss_type!r})" in report.notes
 
@@ -235,13 +241,7 @@ def test_kto_trainer_trains_on_fused_kto_loss(loss_type, reference, tokenizer, t
     assert all(metric in log for log in expected for metric in KTO_LOGITS_METRICS)  # what TRL logs unpatched
 
     trainer = build()
-    model = trainer.model
-    spy = WideLogits(len(tokenizer), *(m for m in (model, trainer.ref_model) if m is not None))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        report = ff.apply_kernels(trainer, loss_chunk_size=CHUNK)
-        logs = train(trainer, spy)
-    ours = fuseforge_warnings(caught)
+    report, logs, ours, spy = train_patched(trainer, tokenizer)
     assert len(ours) == 1 and all(m in ours[0] for m in KTO_LOGITS_METRICS), ours
     assert f"trainer: KTOTrainer's training loss is fused_linear_kto_loss (loss_type={loss_type!r})" in report.notes
     assert kto_calls[loss_type] == 2 * 2 and kto_calls[f"reference: {reference}"] == 2 * 2  # every micro-batch
