@@ -73,6 +73,14 @@ for step in "$@"; do
         engine-distill) for t in "" llama-1b; do STEP_TIMEOUT=200 run_step "$step-${t:-none}" python3 -m \
             fuseforge_flyte.training --model llama-1b --dataset bench:synthetic --steps 20 --batch-size 4 \
             --seq-len 2048 --dtype bf16 --kernels --teacher "$t" --output "$OUT/distill-${t:-none}.json"; done ;;
+        host-ops) run_step "$step" python3 benchmarks/host_overhead.py --profile --json "$OUT/host-ops.json" ;;
+        fp8-probe) run_step "$step" python3 -c "
+import torch, torchao; from torchao.float8 import convert_to_float8_training
+m = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 4096)).cuda().bfloat16()
+convert_to_float8_training(m); print(torchao.__version__, m)
+x = torch.randn(8192, 4096, device='cuda', dtype=torch.bfloat16, requires_grad=True)
+m(x).float().pow(2).mean().backward(); print('ok', x.grad.abs().mean().item())
+mc = torch.compile(m); mc(x).float().sum().backward(); print('compiled ok')" ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done

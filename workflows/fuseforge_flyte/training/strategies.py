@@ -5,7 +5,8 @@ micro-batch forward/backward, applies the optimizer step, saves/loads its own
 training state (see checkpoint.py for the format choice per strategy), and gathers
 the full fp32 weights under their plain transformers names for export (export.py).
 
-Precision: on GPU, DDP keeps fp32 weights and runs under autocast; FSDP2 keeps fp32
+Precision: on GPU, DDP holds bf16 weights with fp32 master copies (precision.py; fp16 keeps fp32 weights
+under autocast with a gradient scaler); FSDP2 keeps fp32
 shards and computes in bf16 through MixedPrecisionPolicy (fp32 gradient reduction);
 DeepSpeed holds bf16/fp16 weights with fp32 master copies in the optimizer. On the
 CPU everything is fp32.
@@ -22,6 +23,8 @@ import torch
 from fuseforge_flyte.training import optim
 from fuseforge_flyte.training.distributed import DistContext
 from fuseforge_flyte.training.lm_head import install_lm_head_guard
+from fuseforge_flyte.training.precision import MasterWeights, master_dtype_for
+from fuseforge_flyte.training.models import decoder_layers
 from fuseforge_flyte.training.spec import TrainSpec
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
@@ -121,8 +124,12 @@ class Strategy:
 class _TorchOptimized(Strategy):
     """Shared by DDP and FSDP: a torch AdamW + LambdaLR driven by the engine."""
 
+    def _trained_parameters(self):
+        """(name, parameter) pairs the optimizer updates."""
+        return self.model.named_parameters()
+
     def _build_optimizer(self) -> None:
-        groups = optim.param_groups(self.model.named_parameters(), self.spec.weight_decay)
+        groups = optim.param_groups(self._trained_parameters(), self.spec.weight_decay)
         self.optimizer = optim.adamw(groups, self.spec.lr)
         self.scheduler = optim.scheduler(self.optimizer, self.spec.warmup_steps, self.spec.steps)
 
@@ -131,7 +138,7 @@ class _TorchOptimized(Strategy):
 
     def _clip(self) -> None:
         if self.spec.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
+            torch.nn.utils.clip_grad_norm_([p for _, p in self._trained_parameters()], self.spec.grad_clip)
 
     def optimizer_step(self) -> None:
         self._clip()
@@ -153,7 +160,11 @@ class DDPStrategy(_TorchOptimized):
 
     def setup(self, model: torch.nn.Module) -> None:
         self.inner = model
-        if self.ctx.world_size > 1:
+        low = master_dtype_for(self.dtype, self.ctx.device)
+        self.masters = MasterWeights(model, low, self.ctx.world_size) if low is not None else None
+        if self.masters is not None:
+            self.model = model  # no DDP wrapper: MasterWeights all-reduces the fp32 gradients itself
+        elif self.ctx.world_size > 1:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.ctx.device.index] if self.ctx.device.type == "cuda" else None
@@ -164,21 +175,33 @@ class DDPStrategy(_TorchOptimized):
         self.scaler = torch.amp.GradScaler("cuda") if self.dtype == "fp16" else None
 
     def _autocast(self):
-        if self.dtype == "fp32":
+        if self.dtype == "fp32" or self.masters is not None:
             return contextlib.nullcontext()
         return torch.autocast(self.ctx.device.type, dtype=_DTYPES[self.dtype])
 
+    def _trained_parameters(self):
+        return self.masters.named_parameters() if self.masters is not None else super()._trained_parameters()
+
     def forward(self, batch: Dict[str, torch.Tensor], last_micro: bool) -> torch.Tensor:
-        if self.model is not self.inner:  # DDP: all-reduce gradients only on the last micro-batch
+        if self.masters is not None:
+            self.masters.start_micro_batch(last_micro)
+        elif self.model is not self.inner:  # DDP: all-reduce gradients only on the last micro-batch
             self.model.require_backward_grad_sync = last_micro
         with self._autocast():
             return self.model(**batch).loss
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self.masters is not None:  # the masters' all-reduce sums this rank's share of the global mean
+            return loss.backward()
         loss = loss * self.ctx.world_size  # DDP averages gradients over ranks
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def optimizer_step(self) -> None:
+        if self.masters is not None:
+            self.masters.finish_gradients()
+            super().optimizer_step()
+            self.masters.refresh_model()
+            return
         if self.scaler is None:
             return super().optimizer_step()
         self.scaler.unscale_(self.optimizer)
@@ -188,9 +211,18 @@ class DDPStrategy(_TorchOptimized):
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def discard_step(self) -> None:
+        if self.masters is not None:
+            self.masters.finish_gradients()
+        super().discard_step()
+
+    def _model_state(self) -> Dict[str, torch.Tensor]:
+        """The model's weights in fp32: the masters where the model holds bf16 copies."""
+        return self.masters.state_dict(self.inner) if self.masters is not None else self.inner.state_dict()
+
     def save(self, directory: str) -> None:
         if self.ctx.is_main:
-            torch.save(self.inner.state_dict(), os.path.join(directory, "model.pt"))
+            torch.save(self._model_state(), os.path.join(directory, "model.pt"))
             torch.save(self.optimizer.state_dict(), os.path.join(directory, "optimizer.pt"))
             torch.save(self.scheduler.state_dict(), os.path.join(directory, "scheduler.pt"))
             if self.scaler is not None:
@@ -198,7 +230,11 @@ class DDPStrategy(_TorchOptimized):
 
     def load(self, directory: str) -> None:
         device = self.ctx.device
-        self.inner.load_state_dict(_weights_only_load(os.path.join(directory, "model.pt"), device))
+        state = _weights_only_load(os.path.join(directory, "model.pt"), device)
+        if self.masters is not None:
+            self.masters.load_state_dict(self.inner, state)
+        else:
+            self.inner.load_state_dict(state)
         self.optimizer.load_state_dict(_weights_only_load(os.path.join(directory, "optimizer.pt"), device))
         self.scheduler.load_state_dict(_weights_only_load(os.path.join(directory, "scheduler.pt"), "cpu"))
         if self.scaler is not None:
@@ -208,7 +244,7 @@ class DDPStrategy(_TorchOptimized):
         """Every rank holds the whole fp32 model: rank 0 returns its own weights, no communication."""
         if not self.ctx.is_main:
             return None
-        return {plain_key(k): _cpu(v) for k, v in self.inner.state_dict().items()}
+        return {plain_key(k): _cpu(v) for k, v in self._model_state().items()}
 
 
 def _fsdp_api():
@@ -237,14 +273,7 @@ class FSDPStrategy(_TorchOptimized):
         kwargs: Dict = {"mesh": mesh}
         if self.dtype != "fp32":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=_DTYPES[self.dtype], reduce_dtype=torch.float32)
-        layer_classes = set(getattr(model, "_no_split_modules", None) or ())
-        layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
-        if not layers:
-            raise ValueError(
-                f"strategy='fsdp': cannot find the decoder layers of {type(model).__name__} "
-                f"(its _no_split_modules is {sorted(layer_classes)})"
-            )
-        for layer in layers:
+        for layer in decoder_layers(model, "strategy='fsdp'"):
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
         self.model = self.inner = model
