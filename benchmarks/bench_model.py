@@ -25,6 +25,8 @@ import time
 PRESETS = {
     # hidden, layers, heads, kv heads, intermediate, vocab
     "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192, vocab_size=128256),
+    # Llama-1B's shape with 4 of its 16 layers (benchmarks/compile_check.py: torch.compile with the kernels)
+    "llama-1b-4l": dict(hidden_size=2048, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8, intermediate_size=8192, vocab_size=128256),
     "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336, vocab_size=128256),
     "qwen2-1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, intermediate_size=8960, vocab_size=151936),
     # Qwen3-30B-A3B's shape (128 experts, 8 active, expert width 768) with 4 of its 48 layers
@@ -35,7 +37,7 @@ PRESETS = {
     "qwen2.5-vl-7b-4l": dict(hidden_size=3584, num_hidden_layers=4, num_attention_heads=28, num_key_value_heads=4,
                              intermediate_size=18944, vocab_size=152064),
 }
-VARIANTS = ("eager", "liger", "fuseforge", "compile")
+VARIANTS = ("eager", "liger", "fuseforge", "compile", "fuseforge+compile")
 
 
 def build_model(preset: str, family: str):
@@ -86,6 +88,12 @@ def apply_variant(model, variant: str):
         model._bench_note = "fused: " + ", ".join(sorted(set(report.patched_kernels())))
     elif variant == "compile":
         model = torch.compile(model)
+    elif variant == "fuseforge+compile":  # the fused ops run as fuseforge::* custom ops inside the graph
+        from fuseforge.transformers import apply_kernels
+
+        report = apply_kernels(model)
+        model._bench_note = "fused: " + ", ".join(sorted(set(report.patched_kernels())))
+        model = torch.compile(model)
     return model
 
 
@@ -102,7 +110,7 @@ def worker(args) -> dict:
     g = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, vocab, (args.batch, args.seq), device="cuda", generator=g) for _ in range(4)]
 
-    times, losses = [], []
+    times, losses, first_step_s = [], [], None
     torch.cuda.reset_peak_memory_stats()
     for step in range(args.warmup + args.steps):
         ids = batches[step % len(batches)]
@@ -113,6 +121,8 @@ def worker(args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
+        if step == 0:  # includes torch.compile's compilation for the compiled variants
+            first_step_s = time.perf_counter() - t0
         if step >= args.warmup:
             times.append(time.perf_counter() - t0)
         losses.append(float(out.loss))
@@ -125,6 +135,7 @@ def worker(args) -> dict:
         "note": getattr(model, "_bench_note", ""),
         "variant": args.variant,
         "step_ms": median * 1e3,
+        "first_step_s": first_step_s,
         "tokens_per_s": args.batch * args.seq / median,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "first_loss": losses[0],

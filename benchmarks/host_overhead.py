@@ -5,7 +5,8 @@
 Per op at its headline shape (run.py's OPS), forward+backward in bf16: do_bench as launched, the
 CUDA-graph replay (GPU time), the host time per step with the launches queued behind a sleep kernel
 (so the GPU never waits on them), and the number of kernels one step launches. --profile adds
-cProfile's top Python functions for fuseforge. Issue 21 asks that, as launched, every headline op
+cProfile's top Python functions for fuseforge. The implementations alternate over --rounds rounds
+(the host's speed drifts on a shared VM) and the medians are reported. Issue 21 asks that, as launched, every headline op
 take at most Liger's time.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -39,6 +41,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--op", action="append", help="default: every headline op but jsd")
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--rounds", type=int, default=7, help="alternating rounds per op (median kept)")
     p.add_argument("--json")
     args = p.parse_args()
     ops = args.op or [op for op in run.OPS if op != "jsd"]
@@ -47,14 +50,23 @@ def main() -> int:
         build, shape, _ = run.OPS[op]
         torch.manual_seed(0)
         case = build(*shape, torch.bfloat16, "cuda")
-        for name in ("fuseforge", "liger"):
-            if name not in case.impls:
-                continue
-            fn = fwd_bwd(case.impls[name], case.leaves)
+        impls = [name for name in ("fuseforge", "liger") if name in case.impls]
+        fns = {name: fwd_bwd(case.impls[name], case.leaves) for name in impls}
+        for fn in fns.values():
             for _ in range(5):
                 fn()
-            row = {"op": op, "shape": case.shape, "impl": name, "ms": time_ms(fn), "host_ms": host_ms(fn, steps=50),
-                   "launches": kernels_per_step(fn)}
+        # the host's speed drifts on a shared VM: alternate the implementations, keep the median of the rounds
+        ms = {name: [] for name in impls}
+        host = {name: [] for name in impls}
+        for _ in range(args.rounds):
+            for name, fn in fns.items():
+                ms[name].append(time_ms(fn))
+                host[name].append(host_ms(fn, steps=50))
+                for t in case.leaves:
+                    t.grad = None
+        for name, fn in fns.items():
+            row = {"op": op, "shape": case.shape, "impl": name, "ms": statistics.median(ms[name]),
+                   "host_ms": statistics.median(host[name]), "ms_rounds": ms[name], "launches": kernels_per_step(fn)}
             try:
                 row["graph_ms"] = cuda_graph_ms(fn)
             except Exception as exc:  # noqa: BLE001 - an op that syncs cannot be captured

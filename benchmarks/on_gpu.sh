@@ -81,6 +81,11 @@ convert_to_float8_training(m); print(torchao.__version__, m)
 x = torch.randn(8192, 4096, device='cuda', dtype=torch.bfloat16, requires_grad=True)
 m(x).float().pow(2).mean().backward(); print('ok', x.grad.abs().mean().item())
 mc = torch.compile(m); mc(x).float().sum().backward(); print('compiled ok')" ;;
+        plan-llama8b) STEP_TIMEOUT=560 TAIL=40 run_step "$step" python3 benchmarks/plan_llama8b.py \
+            --json "$OUT/plan-llama8b.json" ;;
+        tests-planner) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/platform/test_planner.py ;;
+        fp8-check) STEP_TIMEOUT=540 run_step "$step" python3 benchmarks/fp8_check.py ;;
+        tests-fp8-compile) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/platform/test_fp8_compile.py ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done

@@ -103,7 +103,7 @@ class ImageConfig:
     fuseforge: str = _setting(
         "checkout", desc='"checkout" or a pip requirement for fuseforge', check=lambda v: bool(v.strip())
     )
-    extras: Tuple[str, ...] = _setting(("hf", "platform", "deepspeed", "posttrain"))
+    extras: Tuple[str, ...] = _setting(("hf", "platform", "deepspeed", "posttrain", "fp8"))
     extra_packages: Tuple[str, ...] = _setting(())
     apt_packages: Tuple[str, ...] = _setting(("build-essential",))
     platform: str = _setting("linux/amd64", **_NONEMPTY)

@@ -109,7 +109,32 @@ def training_deck_html(m: TrainMetrics) -> str:
         f"<h3>{html.escape(_describe_run(m))}</h3>"
         + table_html(["metric", "value"], _metric_rows(m))
         + figure_html(fig, "loss, throughput and memory per step")
+        + plan_html(m.plan)
     )
+
+
+def plan_html(plan_json: str) -> str:
+    """The planner's probes (one row each: layout, peak memory, tokens/s, verdict) and its choice; "" without."""
+    if not plan_json:
+        return ""
+    from fuseforge_flyte.training.planner import Plan
+
+    plan = Plan.from_json(plan_json)
+    rows = []
+    for p in plan.probes:
+        c = p.candidate
+        verdict = ("chosen" if c == plan.choice else "out of memory" if p.oom
+                   else "over budget" if not p.fits(plan.budget_bytes) else "fits")
+        rows.append((c.micro_batch, c.grad_accum, {0: "none", 1: "all"}.get(c.checkpoint_every,
+                                                                           f"every {c.checkpoint_every}"),
+                     c.loss_chunk_size or "default", "" if p.oom else f"{p.peak_bytes / 2**30:.2f}",
+                     "" if p.oom else f"{p.tokens_per_s * plan.world_size:,.0f}", verdict))
+    header = ["micro-batch", "grad_accum", "checkpointed layers", "loss chunk", f"peak ({_GIB})", "tokens/s",
+              "result"]
+    return (f"<h4>batch layout plan: {html.escape(plan.summary())}</h4>"
+            f"<p>budget per GPU {plan.budget_bytes / 2**30:.2f} {_GIB} for the probes' peak (optimizer state "
+            f"{plan.optimizer_bytes / 2**30:.2f} {_GIB} set aside); global batch {plan.global_batch} sequences "
+            f"on {plan.world_size} GPU(s)</p>" + table_html(header, rows))
 
 
 def _maybe(value, spec: str) -> str:

@@ -44,8 +44,9 @@ Strategy = _choice_enum("Strategy", "strategy")
 Dtype = _choice_enum("Dtype", "dtype")
 NonfinitePolicy = _choice_enum("NonfinitePolicy", "nonfinite_policy")
 DataFormat = _choice_enum("DataFormat", "data_format")
+PlanMode = _choice_enum("PlanMode", "plan")
 CHOICE_TYPES: Dict[str, type] = {"strategy": Strategy, "dtype": Dtype, "nonfinite_policy": NonfinitePolicy,
-                                 "data_format": DataFormat}
+                                 "data_format": DataFormat, "plan": PlanMode}
 
 _HINTS = typing.get_type_hints(TrainSpec)
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainSpec)}

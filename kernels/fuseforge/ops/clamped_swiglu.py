@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from fuseforge.ops.glu import _as_rows, _launch_config, _tile
+from fuseforge.ops._shared.compiled import compiling
 from fuseforge.ops._shared.utils import FLOAT_DTYPES, check_device_supported, check_tensor, upcast
 
 LAYOUTS = ("interleaved", "concatenated")
@@ -88,18 +89,39 @@ def _backward_kernel(
     tl.store(grad_row + up_cols, d_up.to(grad_x_ptr.dtype.element_ty), mask=mask)
 
 
+def _clamped_swiglu_forward(gate_up, alpha, limit, interleaved):
+    """The forward launch (eager and compiled paths): (out, gate_up as [rows, 2 * I])."""
+    x_rows, _ = _as_rows(gate_up)
+    n_rows, n_cols = x_rows.shape[0], x_rows.shape[1] // 2
+    out = torch.empty((*gate_up.shape[:-1], n_cols), dtype=gate_up.dtype, device=gate_up.device)
+    if out.numel():
+        cfg = _launch_config(n_rows, n_cols)
+        _forward_kernel[cfg["grid"]](
+            x_rows, out, x_rows.stride(0), n_cols, n_rows, n_cols, alpha, limit,
+            INTERLEAVED=interleaved, FP64=gate_up.dtype == torch.float64, **cfg["meta"],
+        )
+    return out, x_rows
+
+
+def _clamped_swiglu_backward(grad_out, x_rows, alpha, limit, interleaved) -> torch.Tensor:
+    """The backward launch: the packed gradient as [rows, 2 * I], in a fresh buffer."""
+    n_rows, n_cols = x_rows.shape[0], x_rows.shape[1] // 2
+    grad_rows, _ = _as_rows(grad_out)
+    grad_x = torch.empty((n_rows, 2 * n_cols), dtype=x_rows.dtype, device=x_rows.device)
+    if grad_x.numel():
+        cfg = _launch_config(n_rows, n_cols)
+        _backward_kernel[cfg["grid"]](
+            grad_rows, x_rows, grad_x, grad_rows.stride(0), x_rows.stride(0), 2 * n_cols,
+            n_rows, n_cols, alpha, limit,
+            INTERLEAVED=interleaved, FP64=x_rows.dtype == torch.float64, **cfg["meta"],
+        )
+    return grad_x
+
+
 class _ClampedSwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up, alpha, limit, interleaved):
-        x_rows, _ = _as_rows(gate_up)
-        n_rows, n_cols = x_rows.shape[0], x_rows.shape[1] // 2
-        out = torch.empty((*gate_up.shape[:-1], n_cols), dtype=gate_up.dtype, device=gate_up.device)
-        if out.numel():
-            cfg = _launch_config(n_rows, n_cols)
-            _forward_kernel[cfg["grid"]](
-                x_rows, out, x_rows.stride(0), n_cols, n_rows, n_cols, alpha, limit,
-                INTERLEAVED=interleaved, FP64=gate_up.dtype == torch.float64, **cfg["meta"],
-            )
+        out, x_rows = _clamped_swiglu_forward(gate_up, alpha, limit, interleaved)
         ctx.save_for_backward(x_rows)
         ctx.alpha, ctx.limit, ctx.interleaved, ctx.shape = alpha, limit, interleaved, gate_up.shape
         return out
@@ -108,17 +130,47 @@ class _ClampedSwiGLUFunction(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         (x_rows,) = ctx.saved_tensors
-        n_rows, n_cols = x_rows.shape[0], x_rows.shape[1] // 2
-        grad_rows, _ = _as_rows(grad_out)
-        grad_x = torch.empty((n_rows, 2 * n_cols), dtype=x_rows.dtype, device=x_rows.device)
-        if grad_x.numel():
-            cfg = _launch_config(n_rows, n_cols)
-            _backward_kernel[cfg["grid"]](
-                grad_rows, x_rows, grad_x, grad_rows.stride(0), x_rows.stride(0), 2 * n_cols,
-                n_rows, n_cols, ctx.alpha, ctx.limit,
-                INTERLEAVED=ctx.interleaved, FP64=x_rows.dtype == torch.float64, **cfg["meta"],
-            )
+        grad_x = _clamped_swiglu_backward(grad_out, x_rows, ctx.alpha, ctx.limit, ctx.interleaved)
         return grad_x.view(ctx.shape), None, None, None
+
+
+# --- torch.compile: the same launches as custom ops (ops/_shared/compiled.py says why) ---------------
+
+
+@torch.library.custom_op("fuseforge::clamped_swiglu", mutates_args=())
+def _clamped_swiglu_op(gate_up: torch.Tensor, alpha: float, limit: float, interleaved: bool) -> torch.Tensor:
+    return _clamped_swiglu_forward(gate_up, alpha, limit, interleaved)[0]
+
+
+@_clamped_swiglu_op.register_fake
+def _(gate_up, alpha, limit, interleaved):
+    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
+
+
+@torch.library.custom_op("fuseforge::clamped_swiglu_backward", mutates_args=())
+def _clamped_swiglu_backward_op(
+    grad_out: torch.Tensor, gate_up: torch.Tensor, alpha: float, limit: float, interleaved: bool
+) -> torch.Tensor:
+    x_rows, _ = _as_rows(gate_up)
+    return _clamped_swiglu_backward(grad_out, x_rows, alpha, limit, interleaved).view(gate_up.shape)
+
+
+@_clamped_swiglu_backward_op.register_fake
+def _(grad_out, gate_up, alpha, limit, interleaved):
+    return gate_up.new_empty(gate_up.shape)
+
+
+def _clamped_swiglu_setup(ctx, inputs, output):
+    gate_up, ctx.alpha, ctx.limit, ctx.interleaved = inputs
+    ctx.save_for_backward(gate_up)
+
+
+def _clamped_swiglu_op_backward(ctx, grad_out):
+    (gate_up,) = ctx.saved_tensors
+    return _clamped_swiglu_backward_op(grad_out, gate_up, ctx.alpha, ctx.limit, ctx.interleaved), None, None, None
+
+
+_clamped_swiglu_op.register_autograd(_clamped_swiglu_op_backward, setup_context=_clamped_swiglu_setup)
 
 
 def _scalar(name: str, value, dtype: torch.dtype) -> float:
@@ -126,8 +178,12 @@ def _scalar(name: str, value, dtype: torch.dtype) -> float:
     interpreter would keep fp64), so that every backend applies the same constants as PyTorch."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    dtype = torch.float32 if dtype == torch.float64 else dtype
-    return float(torch.tensor(float(value), dtype=dtype))
+    return _rounded(float(value), torch.float32 if dtype == torch.float64 else dtype)
+
+
+@torch.compiler.assume_constant_result  # a constant under torch.compile, not a tensor and .item() in the graph
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    return float(torch.tensor(value, dtype=dtype))
 
 
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float, *, layout: str = "interleaved") -> torch.Tensor:
@@ -149,4 +205,6 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float, *, layout:
         raise ValueError(f"alpha must be finite, got {alpha}")
     if math.isnan(limit) or limit < 0:
         raise ValueError(f"limit must be >= 0 (math.inf: no clamp), got {limit}")
+    if compiling():
+        return _clamped_swiglu_op(gate_up, alpha, limit, layout == "interleaved")
     return _ClampedSwiGLUFunction.apply(gate_up, alpha, limit, layout == "interleaved")

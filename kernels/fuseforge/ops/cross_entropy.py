@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from fuseforge.ops._shared.compiled import compiling
 from fuseforge.ops._shared.loss_args import IGNORE_INDEX
 from fuseforge.ops._shared.targets import raise_pending_target_errors, scan_targets
 from fuseforge.ops._shared.utils import (
@@ -461,6 +462,30 @@ def mark_overwritten(t: torch.Tensor) -> None:
 # --------------------------------------------------------------------------------------
 
 
+def _ce_forward(logits, target, inv_count, opts: LossOptions, reduction: str):
+    """The forward launches (eager and compiled paths): (loss in the logits' dtype, fp32 lse)."""
+    loss_tok, lse = ce_forward_stats(logits, target, opts)
+    if reduction == "none":
+        loss = loss_tok
+    elif reduction == "sum":
+        loss = loss_tok.sum()
+    else:
+        loss = loss_tok.sum() * inv_count.reshape(())
+    return loss.to(logits.dtype), lse
+
+
+def _ce_backward(logits, target, lse, inv_count, grad_loss, opts: LossOptions, reduction: str, out) -> None:
+    """The backward launch: out = grad_loss * dloss/dlogits (inv_count: the mean's 1 / count, else None)."""
+    raise_pending_target_errors()
+    if reduction == "none":
+        scale = grad_loss.to(torch.float32).contiguous()
+    else:
+        scale = grad_loss.to(torch.float32).reshape(1)
+        if inv_count is not None:
+            scale = scale * inv_count
+    ce_write_grad(logits, target, lse, scale, opts, out=out)
+
+
 class _CrossEntropyFunction(torch.autograd.Function):
     """Forward reads the logits once for loss and lse; backward reads them again and writes the
     gradient already multiplied by grad_output (per token for reduction "none"), with no host
@@ -470,38 +495,79 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, logits, target, inv_count, opts: LossOptions, reduction: str, inplace_grad: bool):
         if reduction != "mean":
             inv_count = None
-        loss_tok, lse = ce_forward_stats(logits, target, opts)
+        loss, lse = _ce_forward(logits, target, inv_count, opts, reduction)
         ctx.save_for_backward(logits, target, lse, inv_count)
-        if reduction == "none":
-            loss = loss_tok
-        elif reduction == "sum":
-            loss = loss_tok.sum()
-        else:
-            loss = loss_tok.sum() * inv_count.reshape(())
         ctx.opts, ctx.reduction, ctx.inplace_grad = opts, reduction, inplace_grad
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros are built for lse's (unused) gradient
-        return loss.to(logits.dtype), lse
+        return loss, lse
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss, _grad_lse):
         if grad_loss is None:
             return None, None, None, None, None, None
-        raise_pending_target_errors()
         logits, target, lse, inv_count = ctx.saved_tensors
-        if ctx.reduction == "none":
-            scale = grad_loss.to(torch.float32).contiguous()
-        else:
-            scale = grad_loss.to(torch.float32).reshape(1)
-            if inv_count is not None:
-                scale = scale * inv_count
         inplace = ctx.inplace_grad
         grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        ce_write_grad(logits, target, lse, scale, ctx.opts, out=grad)
+        _ce_backward(logits, target, lse, inv_count, grad_loss, ctx.opts, ctx.reduction, grad)
         if inplace:
             mark_overwritten(logits)
         return grad, None, None, None, None, None
+
+
+# --- torch.compile: the same launches as custom ops (ops/_shared/compiled.py says why) ---------------
+
+
+@torch.library.custom_op("fuseforge::cross_entropy", mutates_args=())
+def _cross_entropy_op(
+    logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss_scale: float,
+    softcap: float | None, reduction: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse, 1 / count) of [N, V] logits and int64 [N] targets; the class-index scan (and its
+    ValueError) runs here, eagerly, where a compiled graph cannot hold it."""
+    opts = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
+    inv_count = scan_targets(target, logits.shape[-1], ignore_index, "cross_entropy")
+    loss, lse = _ce_forward(logits, target, inv_count, opts, reduction)
+    return loss, lse, inv_count
+
+
+@_cross_entropy_op.register_fake
+def _(logits, target, ignore_index, label_smoothing, z_loss_scale, softcap, reduction):
+    n_tokens = logits.shape[0]
+    loss = logits.new_empty((n_tokens,) if reduction == "none" else ())
+    return loss, logits.new_empty(n_tokens, dtype=torch.float32), logits.new_empty(1, dtype=torch.float32)
+
+
+@torch.library.custom_op("fuseforge::cross_entropy_backward", mutates_args=())
+def _cross_entropy_backward_op(
+    logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor, inv_count: torch.Tensor, grad_loss: torch.Tensor,
+    ignore_index: int, label_smoothing: float, z_loss_scale: float, softcap: float | None, reduction: str,
+) -> torch.Tensor:
+    """The logits' gradient in a fresh buffer (no inplace_grad when compiled)."""
+    opts = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
+    grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    _ce_backward(logits, target, lse, inv_count if reduction == "mean" else None, grad_loss, opts, reduction, grad)
+    return grad
+
+
+@_cross_entropy_backward_op.register_fake
+def _(logits, target, lse, inv_count, grad_loss, ignore_index, label_smoothing, z_loss_scale, softcap, reduction):
+    return logits.new_empty(logits.shape)
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    logits, target, *ctx.options = inputs
+    _, lse, inv_count = output
+    ctx.save_for_backward(logits, target, lse, inv_count)
+
+
+def _cross_entropy_op_backward(ctx, grad_loss, _grad_lse, _grad_inv_count):
+    logits, target, lse, inv_count = ctx.saved_tensors
+    return (_cross_entropy_backward_op(logits, target, lse, inv_count, grad_loss, *ctx.options),) + (None,) * 6
+
+
+_cross_entropy_op.register_autograd(_cross_entropy_op_backward, setup_context=_cross_entropy_setup)
 
 
 def cross_entropy(
@@ -554,15 +620,26 @@ def cross_entropy(
     check_device_supported("logits", logits)
 
     flat_logits = logits.reshape(-1, n_classes)
-    # A leaf's .grad must not alias its data: logits that are (a view of) a leaf get a fresh buffer,
-    # and so do expanded logits (one cell for many elements cannot hold all their gradients).
-    base = logits if logits._base is None else logits._base
-    inplace_grad = bool(inplace_grad) and not base.is_leaf and not may_overlap(flat_logits)
-    flat_target = target.reshape(-1).to(torch.int64).contiguous()
-    inv_count = scan_targets(flat_target, n_classes, opts.ignore_index, "cross_entropy")
-    loss, lse = _CrossEntropyFunction.apply(flat_logits, flat_target, inv_count, opts, reduction, inplace_grad)
+    if compiling():
+        loss, lse, _ = _cross_entropy_op(
+            flat_logits, target.reshape(-1).to(torch.int64).contiguous(), opts.ignore_index, opts.label_smoothing,
+            opts.z_loss_scale, opts.softcap, reduction,
+        )
+    else:
+        loss, lse = _cross_entropy_eager(logits, flat_logits, target, opts, reduction, inplace_grad)
     if reduction == "none":
         loss = loss.view(target.shape)
     if return_lse:
         return loss, lse.view(target.shape)
     return loss
+
+
+def _cross_entropy_eager(logits, flat_logits, target, opts, reduction, inplace_grad):
+    """The autograd.Function path (no dispatcher cost per call), with the class-index scan in front."""
+    # A leaf's .grad must not alias its data: logits that are (a view of) a leaf get a fresh buffer,
+    # and so do expanded logits (one cell for many elements cannot hold all their gradients).
+    base = logits if logits._base is None else logits._base
+    inplace_grad = bool(inplace_grad) and not base.is_leaf and not may_overlap(flat_logits)
+    flat_target = target.reshape(-1).to(torch.int64).contiguous()
+    inv_count = scan_targets(flat_target, flat_logits.shape[1], opts.ignore_index, "cross_entropy")
+    return _CrossEntropyFunction.apply(flat_logits, flat_target, inv_count, opts, reduction, inplace_grad)

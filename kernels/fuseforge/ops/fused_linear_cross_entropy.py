@@ -36,6 +36,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
+from fuseforge.ops._shared.compiled import compiling
 from fuseforge.ops._shared.loss_args import IGNORE_INDEX, MIN_CHUNK_TOKENS, check_chunk_size
 from fuseforge.ops.cross_entropy import (
     LossOptions,
@@ -203,22 +204,36 @@ def _sweep(hidden, weight, bias, target, opts: LossOptions, scale, wanted: _Want
     return loss, lse, grads
 
 
+def _flce_forward(hidden, weight, bias, target, opts, reduction, scale, chunk, wanted: _Wanted):
+    """The forward sweep (eager and compiled paths): (loss, lse, _Gradients of the scalar loss or None).
+    Reduction "none" computes no gradients here; backward recomputes them (_flce_backward_none)."""
+    with torch.autocast(hidden.device.type, enabled=False):
+        if reduction == "none":
+            loss, lse, _ = _sweep(hidden, weight, bias, target, opts, None, wanted, chunk)
+            return loss, lse, None
+        loss_tok, lse, grads = _sweep(hidden, weight, bias, target, opts, scale if wanted.any else None, wanted, chunk)
+        return loss_tok.sum() * scale.reshape(()), lse, grads
+
+
+def _flce_backward_none(hidden, weight, bias, target, grad_loss, opts, chunk, wanted: _Wanted) -> _Gradients:
+    """Reduction "none": the gradients recomputed chunk by chunk, scaled per token by grad_loss."""
+    raise_pending_target_errors()
+    scale = grad_loss.to(torch.float32).contiguous()
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _sweep(hidden, weight, bias, target, opts, scale, wanted, chunk)[2]
+
+
 class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, opts, reduction, scale, chunk, grad_enabled):
         wanted = _Wanted(*(grad_enabled and bool(n) for n in ctx.needs_input_grad[:3]))
         ctx.reduction = reduction
-        with torch.autocast(hidden.device.type, enabled=False):
-            if reduction == "none":
-                loss, lse, _ = _sweep(hidden, weight, bias, target, opts, None, wanted, chunk)
-                ctx.save_for_backward(hidden, weight, bias, target)
-                ctx.opts, ctx.wanted, ctx.chunk = opts, wanted, chunk
-            else:
-                loss_tok, lse, grads = _sweep(hidden, weight, bias, target, opts, scale if wanted.any else None,
-                                              wanted, chunk)
-                loss = loss_tok.sum() * scale.reshape(())
-                if grads is not None:
-                    ctx.save_for_backward(grads.hidden, grads.weight, grads.bias)
+        loss, lse, grads = _flce_forward(hidden, weight, bias, target, opts, reduction, scale, chunk, wanted)
+        if reduction == "none":
+            ctx.save_for_backward(hidden, weight, bias, target)
+            ctx.opts, ctx.wanted, ctx.chunk = opts, wanted, chunk
+        elif grads is not None:
+            ctx.save_for_backward(grads.hidden, grads.weight, grads.bias)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros are built for lse's (unused) gradient
         return loss, lse
@@ -228,17 +243,124 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_lse):
         if grad_loss is None:
             return (None,) * 9
-        raise_pending_target_errors()
         if ctx.reduction == "none":
             hidden, weight, bias, target = ctx.saved_tensors
-            scale = grad_loss.to(torch.float32).contiguous()
-            with torch.autocast(hidden.device.type, enabled=False):
-                _, _, grads = _sweep(hidden, weight, bias, target, ctx.opts, scale, ctx.wanted, ctx.chunk)
+            grads = _flce_backward_none(hidden, weight, bias, target, grad_loss, ctx.opts, ctx.chunk, ctx.wanted)
             grad_hidden, grad_weight, grad_bias = grads.hidden, grads.weight, grads.bias
         else:
+            raise_pending_target_errors()
             grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
             scale_unless_one((grad_hidden, grad_weight, grad_bias), grad_loss)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+# --- torch.compile: the same launches as custom ops (ops/_shared/compiled.py says why) ---------------
+
+
+def _grads_or_empty(grads: _Gradients | None, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A custom op cannot return None: a gradient not computed comes back as an empty tensor."""
+    found = (None, None, None) if grads is None else (grads.hidden, grads.weight, grads.bias)
+    return tuple(g if g is not None else like.new_empty(0) for g in found)
+
+
+@torch.library.custom_op("fuseforge::fused_linear_cross_entropy", mutates_args=())
+def _flce_op(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+    scale: torch.Tensor | None, ignore_index: int, label_smoothing: float, z_loss_scale: float,
+    softcap: float | None, reduction: str, chunk: int, need_hidden: bool, need_weight: bool, need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lse, grad_hidden, grad_weight, grad_bias) of 2-D contiguous hidden and int64 [N] targets.
+
+    The class-index scan (and its ValueError) runs here, eagerly, where a compiled graph cannot hold
+    it; `scale` None means its 1 / count (reduction "mean"). The gradients of a scalar loss are
+    computed here as in eager (unscaled by grad_output), empty when not wanted or for reduction "none".
+    """
+    opts = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
+    inv_count = scan_targets(target, weight.shape[0], ignore_index, "fused_linear_cross_entropy")
+    if scale is None:
+        scale = inv_count if reduction == "mean" else torch.ones(1, dtype=torch.float32, device=hidden.device)
+    wanted = _Wanted(need_hidden, need_weight, need_bias and bias is not None)
+    loss, lse, grads = _flce_forward(hidden, weight, bias, target, opts, reduction, scale, chunk, wanted)
+    return (loss, lse, *_grads_or_empty(grads, hidden))
+
+
+@_flce_op.register_fake
+def _(hidden, weight, bias, target, scale, ignore_index, label_smoothing, z_loss_scale, softcap, reduction, chunk,
+      need_hidden, need_weight, need_bias):
+    n_tokens = hidden.shape[0]
+    loss = hidden.new_empty((n_tokens,) if reduction == "none" else (), dtype=torch.float32)
+    scalar = reduction != "none"
+    return (
+        loss,
+        hidden.new_empty(n_tokens, dtype=torch.float32),
+        torch.empty_like(hidden) if scalar and need_hidden else hidden.new_empty(0),
+        torch.empty_like(weight) if scalar and need_weight else hidden.new_empty(0),
+        weight.new_empty(weight.shape[0], dtype=bias.dtype) if scalar and need_bias and bias is not None
+        else hidden.new_empty(0),
+    )
+
+
+@torch.library.custom_op("fuseforge::fused_linear_cross_entropy_scale_grads", mutates_args=())
+def _flce_scale_grads_op(
+    grad_hidden: torch.Tensor, grad_weight: torch.Tensor, grad_bias: torch.Tensor, grad_loss: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward's gradients times grad_output. A custom op's outputs may not alias its inputs, so
+    (unlike eager, which scales the saved buffers in place) they are copied first."""
+    raise_pending_target_errors()
+    out = tuple(g.clone() for g in (grad_hidden, grad_weight, grad_bias))
+    scale_unless_one(out, grad_loss)
+    return out
+
+
+@_flce_scale_grads_op.register_fake
+def _(grad_hidden, grad_weight, grad_bias, grad_loss):
+    return torch.empty_like(grad_hidden), torch.empty_like(grad_weight), torch.empty_like(grad_bias)
+
+
+@torch.library.custom_op("fuseforge::fused_linear_cross_entropy_backward", mutates_args=())
+def _flce_backward_op(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+    grad_loss: torch.Tensor, ignore_index: int, label_smoothing: float, z_loss_scale: float,
+    softcap: float | None, chunk: int, need_hidden: bool, need_weight: bool, need_bias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reduction "none": the gradients recomputed, each empty when not wanted."""
+    opts = LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
+    wanted = _Wanted(need_hidden, need_weight, need_bias and bias is not None)
+    return _grads_or_empty(_flce_backward_none(hidden, weight, bias, target, grad_loss, opts, chunk, wanted), hidden)
+
+
+@_flce_backward_op.register_fake
+def _(hidden, weight, bias, target, grad_loss, ignore_index, label_smoothing, z_loss_scale, softcap, chunk,
+      need_hidden, need_weight, need_bias):
+    return (
+        torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
+        torch.empty_like(weight) if need_weight else hidden.new_empty(0),
+        weight.new_empty(weight.shape[0], dtype=bias.dtype) if need_bias and bias is not None else hidden.new_empty(0),
+    )
+
+
+def _flce_setup(ctx, inputs, output):
+    hidden, weight, bias, target, _, *options = inputs
+    ctx.options = options[:4]  # ignore_index, label_smoothing, z_loss_scale, softcap
+    ctx.reduction, ctx.chunk, *ctx.needs = options[4:]
+    if ctx.reduction == "none":
+        ctx.save_for_backward(hidden, weight, bias, target)
+    else:
+        ctx.save_for_backward(*output[2:])
+
+
+def _flce_op_backward(ctx, grad_loss, _grad_lse, *_unused):
+    if ctx.reduction == "none":
+        hidden, weight, bias, target = ctx.saved_tensors
+        grads = _flce_backward_op(hidden, weight, bias, target, grad_loss, *ctx.options, ctx.chunk, *ctx.needs)
+    else:
+        grads = _flce_scale_grads_op(*ctx.saved_tensors, grad_loss)
+    need_bias = ctx.needs[2] and ctx.needs_input_grad[2]
+    return (grads[0] if ctx.needs[0] else None, grads[1] if ctx.needs[1] else None,
+            grads[2] if need_bias else None) + (None,) * 11
+
+
+_flce_op.register_autograd(_flce_op_backward, setup_context=_flce_setup)
 
 
 def _autocast_inputs(hidden, weight, bias):
@@ -337,11 +459,22 @@ def fused_linear_cross_entropy(
     if num_items_in_batch is not None and reduction != "mean":
         raise ValueError(f"num_items_in_batch only applies to reduction='mean', got reduction={reduction!r}")
     flat_target = target.reshape(-1).to(torch.int64).contiguous()
-    inv_count = scan_targets(flat_target, n_vocab, opts.ignore_index, "fused_linear_cross_entropy")
-    scale = _loss_scale(inv_count, reduction, num_items_in_batch, hidden.device)
     # 2-D hidden goes in as is (no view): autograd then hands our grad buffers over without copies
     # and still clones them when a graph is retained for another backward.
     flat_hidden = hidden if hidden.dim() == 2 else hidden.reshape(-1, n_hidden)
+    if compiling():
+        # The scan runs inside the custom op; without a given count the op divides by its result.
+        scale = None if num_items_in_batch is None and reduction == "mean" else _loss_scale(
+            None, reduction, num_items_in_batch, hidden.device)
+        grad = torch.is_grad_enabled()
+        loss, lse, *_ = _flce_op(
+            flat_hidden.contiguous(), weight.contiguous(), None if bias is None else bias.contiguous(), flat_target,
+            scale, opts.ignore_index, opts.label_smoothing, opts.z_loss_scale, opts.softcap, reduction, chunk,
+            grad and hidden.requires_grad, grad and weight.requires_grad, grad and bias is not None and bias.requires_grad,
+        )
+        return _shaped(loss, lse, target, reduction, return_lse)
+    inv_count = scan_targets(flat_target, n_vocab, opts.ignore_index, "fused_linear_cross_entropy")
+    scale = _loss_scale(inv_count, reduction, num_items_in_batch, hidden.device)
     loss, lse = _FusedLinearCrossEntropyFunction.apply(
         flat_hidden.contiguous(),
         weight.contiguous(),
@@ -353,6 +486,11 @@ def fused_linear_cross_entropy(
         chunk,
         torch.is_grad_enabled(),
     )
+    return _shaped(loss, lse, target, reduction, return_lse)
+
+
+def _shaped(loss, lse, target, reduction, return_lse):
+    """The per-token loss (reduction "none") and lse in target's shape."""
     if reduction == "none":
         loss = loss.view(target.shape)
     if return_lse:

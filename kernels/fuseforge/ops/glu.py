@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuseforge.ops._shared.compiled import compiling
 from fuseforge.ops._shared.utils import (
     FLOAT_DTYPES,
     check_device_supported,
@@ -153,21 +154,41 @@ def _flat_if_dense(*rows: torch.Tensor) -> tuple[int, int]:
     return n_rows, n_cols
 
 
+def _glu_forward(gate, up, activation):
+    """The forward launch (eager and compiled paths): (out, gate and up as [rows, cols], whether each was copied)."""
+    gate_rows, gate_copied = _as_rows(gate)
+    up_rows, up_copied = _as_rows(up)
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    n_rows, n_cols = _flat_if_dense(gate_rows, up_rows)
+    if out.numel():
+        cfg = _launch_config(n_rows, n_cols)
+        _glu_forward_kernel[cfg["grid"]](
+            gate_rows, up_rows, out,
+            gate_rows.stride(0), up_rows.stride(0), n_cols,
+            n_rows, n_cols,
+            ACTIVATION=activation, FP64=gate.dtype == torch.float64, **cfg["meta"],
+        )
+    return out, gate_rows, up_rows, gate_copied, up_copied
+
+
+def _glu_backward(grad_out, gate_rows, up_rows, grad_gate, grad_up, activation) -> None:
+    """The backward launch: d_gate and d_up into grad_gate/grad_up ([rows, cols]; they may be gate/up's rows)."""
+    grad_rows, _ = _as_rows(grad_out)
+    n_rows, n_cols = _flat_if_dense(grad_rows, gate_rows, up_rows, grad_gate, grad_up)
+    if grad_out.numel():
+        cfg = _launch_config(n_rows, n_cols)
+        _glu_backward_kernel[cfg["grid"]](
+            grad_rows, gate_rows, up_rows, grad_gate, grad_up,
+            grad_rows.stride(0), gate_rows.stride(0), up_rows.stride(0), grad_gate.stride(0), grad_up.stride(0),
+            n_rows, n_cols,
+            ACTIVATION=activation, FP64=gate_rows.dtype == torch.float64, **cfg["meta"],
+        )
+
+
 class _GLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, activation, inplace_backward, gate_reusable, up_reusable):
-        gate_rows, gate_copied = _as_rows(gate)
-        up_rows, up_copied = _as_rows(up)
-        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        n_rows, n_cols = _flat_if_dense(gate_rows, up_rows)
-        if out.numel():
-            cfg = _launch_config(n_rows, n_cols)
-            _glu_forward_kernel[cfg["grid"]](
-                gate_rows, up_rows, out,
-                gate_rows.stride(0), up_rows.stride(0), n_cols,
-                n_rows, n_cols,
-                ACTIVATION=activation, FP64=gate.dtype == torch.float64, **cfg["meta"],
-            )
+        out, gate_rows, up_rows, gate_copied, up_copied = _glu_forward(gate, up, activation)
         ctx.save_for_backward(gate_rows, up_rows)
         ctx.activation = activation
         ctx.shape = gate.shape
@@ -186,23 +207,60 @@ class _GLUFunction(torch.autograd.Function):
                 "buffers; pass inplace_backward=False to backward through it more than once"
             )
         gate_rows, up_rows = ctx.saved_tensors
-        grad_rows, _ = _as_rows(grad_out)
         grad_gate = gate_rows if ctx.reuse_gate else torch.empty_like(gate_rows, memory_format=torch.contiguous_format)
         grad_up = up_rows if ctx.reuse_up else torch.empty_like(up_rows, memory_format=torch.contiguous_format)
-        n_rows, n_cols = _flat_if_dense(grad_rows, gate_rows, up_rows, grad_gate, grad_up)
-        if grad_out.numel():
-            cfg = _launch_config(n_rows, n_cols)
-            _glu_backward_kernel[cfg["grid"]](
-                grad_rows, gate_rows, up_rows, grad_gate, grad_up,
-                grad_rows.stride(0), gate_rows.stride(0), up_rows.stride(0), grad_gate.stride(0), grad_up.stride(0),
-                n_rows, n_cols,
-                ACTIVATION=ctx.activation, FP64=gate_rows.dtype == torch.float64, **cfg["meta"],
-            )
+        _glu_backward(grad_out, gate_rows, up_rows, grad_gate, grad_up, ctx.activation)
         for reused, buffer in ((ctx.reuse_gate, gate_rows), (ctx.reuse_up, up_rows)):
             if reused:
                 torch.autograd.graph.increment_version(buffer)
         ctx.buffers_consumed = ctx.reuse_gate or ctx.reuse_up
         return grad_gate.view(ctx.shape), grad_up.view(ctx.shape), None, None, None, None
+
+
+# --- torch.compile: the same launches as custom ops (ops/_shared/compiled.py says why) ---------------
+
+
+@torch.library.custom_op("fuseforge::glu", mutates_args=())
+def _glu_op(gate: torch.Tensor, up: torch.Tensor, activation: int) -> torch.Tensor:
+    return _glu_forward(gate, up, activation)[0]
+
+
+@_glu_op.register_fake
+def _(gate, up, activation):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("fuseforge::glu_backward", mutates_args=())
+def _glu_backward_op(
+    grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_gate, d_up) in fresh contiguous buffers of gate's shape (no in-place reuse when compiled)."""
+    gate_rows, _ = _as_rows(gate)
+    up_rows, _ = _as_rows(up)
+    grad_gate = torch.empty_like(gate_rows, memory_format=torch.contiguous_format)
+    grad_up = torch.empty_like(up_rows, memory_format=torch.contiguous_format)
+    _glu_backward(grad_out, gate_rows, up_rows, grad_gate, grad_up, activation)
+    return grad_gate.view(gate.shape), grad_up.view(gate.shape)
+
+
+@_glu_backward_op.register_fake
+def _(grad_out, gate, up, activation):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+
+def _glu_setup(ctx, inputs, output):
+    gate, up, activation = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.activation = activation
+
+
+def _glu_op_backward(ctx, grad_out):
+    gate, up = ctx.saved_tensors
+    grad_gate, grad_up = _glu_backward_op(grad_out, gate, up, ctx.activation)
+    return grad_gate, grad_up, None
+
+
+_glu_op.register_autograd(_glu_op_backward, setup_context=_glu_setup)
 
 
 # grad_fn names of ops whose backward reads their inputs but never their output, and whose
@@ -233,6 +291,8 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, activation: int, inplace_backward
     check_same_dtype(gate=gate, up=up)
     check_same_device(gate=gate, up=up)
     check_device_supported("gate", gate)
+    if compiling():
+        return _glu_op(gate, up, activation)
     shares_storage = gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
     inplace_backward = bool(inplace_backward)
     reusable = inplace_backward and not shares_storage

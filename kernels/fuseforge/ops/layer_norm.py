@@ -31,6 +31,7 @@ from fuseforge.ops._shared.rowwise import (
     split_backward,
     sum_partials,
 )
+from fuseforge.ops._shared.compiled import compiling
 from fuseforge.ops._shared.utils import check_device_supported, check_positive, check_same_device, check_tensor, is_interpreter
 
 
@@ -109,70 +110,139 @@ def _layer_norm_bwd_kernel(
         tl.store(DB_PARTIAL + pid * n_cols + cols, db_acc, mask=col_mask)
 
 
+def _layer_norm_forward(x, weight, bias, eps):
+    """The forward launch (eager and compiled paths): (y, mean, rstd, x as [rows, N])."""
+    torch_compute, tl_compute = compute_dtype(x, weight, bias)
+    n_cols = x.shape[-1]
+    n_rows = math.prod(x.shape[:-1])
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean = torch.empty(n_rows, dtype=torch_compute, device=x.device)
+    rstd = torch.empty(n_rows, dtype=torch_compute, device=x.device)
+    weight = weight.contiguous() if weight is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    x_rows = x
+    if x.numel() > 0:
+        x_rows = as_rows(x)
+        plan = plan_row_tiles(n_rows, n_cols, x.device, persistent=False)
+        _layer_norm_fwd_kernel[(plan.num_programs,)](
+            x_rows, y, weight if weight is not None else x_rows, bias if bias is not None else x_rows, mean, rstd,
+            n_rows, n_cols, x_rows.stride(0), plan.tiles_per_program, eps,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, COMPUTE=tl_compute,
+            EMULATE_RNE=is_interpreter(), ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        )
+    return y, mean, rstd, x_rows
+
+
+def _layer_norm_backward(x_rows, weight, bias, mean, rstd, dy, need_dx, need_dw, need_db, x_shape):
+    """The backward launches: (dx in x_shape, dw, db), None for each one not needed."""
+    if x_rows.numel() == 0:
+        dx = torch.zeros(x_shape, dtype=x_rows.dtype, device=x_rows.device) if need_dx else None
+        dw = torch.zeros_like(weight) if need_dw else None
+        db = torch.zeros_like(bias) if need_db else None
+        return dx, dw, db
+    if not (need_dx or need_dw or need_db):
+        return None, None, None
+    n_rows, n_cols = x_rows.shape
+    torch_compute, tl_compute = compute_dtype(x_rows, weight, bias)
+    dy_rows = as_rows(dy)
+    split = split_backward(n_cols)
+    # Split: the row kernel writes dx only, and param_grads reduces dw/db down the columns.
+    fused_dw, fused_db = need_dw and not split, need_db and not split
+    dx = torch.empty((n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device) if need_dx else dy_rows
+    plan = plan_row_tiles(n_rows, n_cols, x_rows.device, persistent=fused_dw or fused_db)
+    partial_shape = (plan.num_programs, n_cols)
+    dw_partial = torch.empty(partial_shape, dtype=torch_compute, device=x_rows.device) if fused_dw else rstd
+    db_partial = torch.empty(partial_shape, dtype=torch_compute, device=x_rows.device) if fused_db else rstd
+    if need_dx or fused_dw or fused_db:
+        _layer_norm_bwd_kernel[(plan.num_programs,)](
+            x_rows, dy_rows, weight if weight is not None else x_rows, mean, rstd, dx, dw_partial, db_partial,
+            n_rows, n_cols, x_rows.stride(0), dy_rows.stride(0), plan.tiles_per_program,
+            HAS_WEIGHT=weight is not None, STORE_DX=need_dx, STORE_DW=fused_dw, STORE_DB=fused_db,
+            COMPUTE=tl_compute, EMULATE_RNE=is_interpreter(),
+            ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps,
+        )
+    dx = dx.view(x_shape) if need_dx else None
+    dw_dtype = weight.dtype if need_dw else None
+    db_dtype = bias.dtype if need_db else None
+    dw = db = None
+    if split and (need_dw or need_db):
+        dw, db = param_grads(x_rows, dy_rows, rstd, mean=mean, dw_dtype=dw_dtype, db_dtype=db_dtype)
+    elif need_dw or need_db:
+        dw, db = sum_partials(dw_partial if need_dw else None, dw_dtype, db_partial if need_db else None, db_dtype)
+    return dx, dw, db
+
+
 class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        torch_compute, tl_compute = compute_dtype(x, weight, bias)
-        n_cols = x.shape[-1]
-        n_rows = math.prod(x.shape[:-1])
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        mean = torch.empty(n_rows, dtype=torch_compute, device=x.device)
-        rstd = torch.empty(n_rows, dtype=torch_compute, device=x.device)
-        weight = weight.contiguous() if weight is not None else None
-        bias = bias.contiguous() if bias is not None else None
-        x_rows = x
-        if x.numel() > 0:
-            x_rows = as_rows(x)
-            plan = plan_row_tiles(n_rows, n_cols, x.device, persistent=False)
-            _layer_norm_fwd_kernel[(plan.num_programs,)](
-                x_rows, y, weight if weight is not None else x_rows, bias if bias is not None else x_rows, mean, rstd,
-                n_rows, n_cols, x_rows.stride(0), plan.tiles_per_program, eps,
-                HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, COMPUTE=tl_compute,
-                EMULATE_RNE=is_interpreter(), ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
-            )
-        ctx.save_for_backward(x_rows, weight, bias, mean, rstd)
-        ctx.x_shape, ctx.compute = x.shape, (torch_compute, tl_compute)
+        y, mean, rstd, x_rows = _layer_norm_forward(x, weight, bias, eps)
+        ctx.save_for_backward(x_rows, weight.contiguous() if weight is not None else None,
+                              bias.contiguous() if bias is not None else None, mean, rstd)
+        ctx.x_shape = x.shape
         return y
 
     @staticmethod
     def backward(ctx, dy):
         x_rows, weight, bias, mean, rstd = ctx.saved_tensors
         need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
-        if x_rows.numel() == 0:
-            dx = torch.zeros(ctx.x_shape, dtype=x_rows.dtype, device=x_rows.device) if need_dx else None
-            dw = torch.zeros_like(weight) if need_dw else None
-            db = torch.zeros_like(bias) if need_db else None
-            return dx, dw, db, None
-        if not (need_dx or need_dw or need_db):
-            return None, None, None, None
-        n_rows, n_cols = x_rows.shape
-        torch_compute, tl_compute = ctx.compute
-        dy_rows = as_rows(dy)
-        split = split_backward(n_cols)
-        # Split: the row kernel writes dx only, and param_grads reduces dw/db down the columns.
-        fused_dw, fused_db = need_dw and not split, need_db and not split
-        dx = torch.empty((n_rows, n_cols), dtype=x_rows.dtype, device=x_rows.device) if need_dx else dy_rows
-        plan = plan_row_tiles(n_rows, n_cols, x_rows.device, persistent=fused_dw or fused_db)
-        partial_shape = (plan.num_programs, n_cols)
-        dw_partial = torch.empty(partial_shape, dtype=torch_compute, device=x_rows.device) if fused_dw else rstd
-        db_partial = torch.empty(partial_shape, dtype=torch_compute, device=x_rows.device) if fused_db else rstd
-        if need_dx or fused_dw or fused_db:
-            _layer_norm_bwd_kernel[(plan.num_programs,)](
-                x_rows, dy_rows, weight if weight is not None else x_rows, mean, rstd, dx, dw_partial, db_partial,
-                n_rows, n_cols, x_rows.stride(0), dy_rows.stride(0), plan.tiles_per_program,
-                HAS_WEIGHT=weight is not None, STORE_DX=need_dx, STORE_DW=fused_dw, STORE_DB=fused_db,
-                COMPUTE=tl_compute, EMULATE_RNE=is_interpreter(),
-                ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps,
-            )
-        dx = dx.view(ctx.x_shape) if need_dx else None
-        dw_dtype = weight.dtype if need_dw else None
-        db_dtype = bias.dtype if need_db else None
-        dw = db = None
-        if split and (need_dw or need_db):
-            dw, db = param_grads(x_rows, dy_rows, rstd, mean=mean, dw_dtype=dw_dtype, db_dtype=db_dtype)
-        elif need_dw or need_db:
-            dw, db = sum_partials(dw_partial if need_dw else None, dw_dtype, db_partial if need_db else None, db_dtype)
+        dx, dw, db = _layer_norm_backward(x_rows, weight, bias, mean, rstd, dy, need_dx, need_dw, need_db, ctx.x_shape)
         return dx, dw, db, None
+
+
+# --- torch.compile: the same launches as custom ops (ops/_shared/compiled.py says why) ---------------
+
+
+@torch.library.custom_op("fuseforge::layer_norm", mutates_args=())
+def _layer_norm_op(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd)."""
+    return _layer_norm_forward(x, weight, bias, eps)[:3]
+
+
+@_layer_norm_op.register_fake
+def _(x, weight, bias, eps):
+    stats = x.new_empty(math.prod(x.shape[:-1]), dtype=compute_dtype(x, weight, bias)[0])
+    return x.new_empty(x.shape), stats, torch.empty_like(stats)
+
+
+@torch.library.custom_op("fuseforge::layer_norm_backward", mutates_args=())
+def _layer_norm_backward_op(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mean: torch.Tensor, rstd: torch.Tensor,
+    dy: torch.Tensor, need_dx: bool, need_dw: bool, need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dw, db), each empty when not needed (or without its parameter)."""
+    x_rows = as_rows(x) if x.numel() > 0 else x
+    weight = weight.contiguous() if weight is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    grads = _layer_norm_backward(x_rows, weight, bias, mean, rstd, dy, need_dx, need_dw, need_db, x.shape)
+    return tuple(g if g is not None else x.new_empty(0) for g in grads)
+
+
+@_layer_norm_backward_op.register_fake
+def _(x, weight, bias, mean, rstd, dy, need_dx, need_dw, need_db):
+    return (
+        x.new_empty(x.shape) if need_dx else x.new_empty(0),
+        weight.new_empty(weight.shape) if need_dw else x.new_empty(0),
+        bias.new_empty(bias.shape) if need_db else x.new_empty(0),
+    )
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+
+
+def _layer_norm_op_backward(ctx, dy, _d_mean, _d_rstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    need_dx, need_dw, need_db = ctx.needs_input_grad[:3]
+    need_dw, need_db = need_dw and weight is not None, need_db and bias is not None
+    dx, dw, db = _layer_norm_backward_op(x, weight, bias, mean, rstd, dy, need_dx, need_dw, need_db)
+    return (dx if need_dx else None), (dw if need_dw else None), (db if need_db else None), None
+
+
+_layer_norm_op.register_autograd(_layer_norm_op_backward, setup_context=_layer_norm_setup)
 
 
 def _check_affine(name: str, t: torch.Tensor | None, n_cols: int) -> None:
@@ -193,4 +263,6 @@ def layer_norm(
     check_same_device(x=x, weight=weight, bias=bias)
     check_device_supported("x", x)
     eps = check_positive("eps", eps)
+    if compiling():
+        return _layer_norm_op(x, weight, bias, eps)[0]
     return _LayerNormFunction.apply(x, weight, bias, eps)

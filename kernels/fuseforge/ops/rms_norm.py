@@ -48,6 +48,7 @@ from fuseforge.ops._shared.rowwise import (
     split_backward,
     sum_partials,
 )
+from fuseforge.ops._shared.compiled import compiling
 from fuseforge.ops._shared.utils import (
     check_device_supported,
     check_positive,
@@ -131,37 +132,43 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor, casting: str) -> torch.
     return torch.promote_types(x.dtype, weight.dtype) if casting == "llama" else x.dtype
 
 
+def _rms_norm_forward(x, residual, weight, eps, offset, casting):
+    """The forward launch (eager and compiled paths alike): (y, new residual or None, rstd, the
+    normalized input as [rows, N]: the new residual when fused, else x)."""
+    fused = residual is not None
+    torch_compute, tl_compute = compute_dtype(x, weight)
+    n_cols = x.shape[-1]
+    n_rows = math.prod(x.shape[:-1])
+    y = torch.empty(x.shape, dtype=_output_dtype(x, weight, casting), device=x.device)
+    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device) if fused else None
+    rstd = torch.empty(n_rows, dtype=torch_compute, device=x.device)
+    weight = weight.contiguous()
+    source = new_residual if fused else x  # the tensor that gets normalized
+    if x.numel() > 0:
+        x_rows = as_rows(x)
+        r_rows = as_rows(residual) if fused else x_rows
+        plan = plan_row_tiles(n_rows, n_cols, x.device, persistent=False)
+        _rms_norm_fwd_kernel[(plan.num_programs,)](
+            x_rows, r_rows, new_residual if fused else y, y, weight, rstd,
+            n_rows, n_cols, x_rows.stride(0), r_rows.stride(0), plan.tiles_per_program, eps, offset,
+            HAS_RESIDUAL=fused, ROUND_NORMED=casting == "llama" and x.dtype != torch_compute,
+            COMPUTE=tl_compute, EMULATE_RNE=is_interpreter(),
+            ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
+        )
+        source = new_residual.view(n_rows, n_cols) if fused else x_rows
+    return y, new_residual, rstd, source
+
+
 class _RMSNormFunction(torch.autograd.Function):
     """Plain (residual=None) and fused-add RMSNorm; the fused form also returns x + residual."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, casting):
         ctx.set_materialize_grads(False)
-        fused = residual is not None
-        torch_compute, tl_compute = compute_dtype(x, weight)
-        n_cols = x.shape[-1]
-        n_rows = math.prod(x.shape[:-1])
-        y = torch.empty(x.shape, dtype=_output_dtype(x, weight, casting), device=x.device)
-        new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device) if fused else None
-        rstd = torch.empty(n_rows, dtype=torch_compute, device=x.device)
-        weight = weight.contiguous()
-        source = new_residual if fused else x  # the tensor that gets normalized
-        if x.numel() > 0:
-            x_rows = as_rows(x)
-            r_rows = as_rows(residual) if fused else x_rows
-            plan = plan_row_tiles(n_rows, n_cols, x.device, persistent=False)
-            _rms_norm_fwd_kernel[(plan.num_programs,)](
-                x_rows, r_rows, new_residual if fused else y, y, weight, rstd,
-                n_rows, n_cols, x_rows.stride(0), r_rows.stride(0), plan.tiles_per_program, eps, offset,
-                HAS_RESIDUAL=fused, ROUND_NORMED=casting == "llama" and x.dtype != torch_compute,
-                COMPUTE=tl_compute, EMULATE_RNE=is_interpreter(),
-                ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, num_warps=plan.num_warps,
-            )
-            source = new_residual.view(n_rows, n_cols) if fused else x_rows
-        ctx.save_for_backward(source, weight, rstd)
-        ctx.x_shape, ctx.offset, ctx.casting, ctx.fused = x.shape, offset, casting, fused
-        ctx.compute = (torch_compute, tl_compute)
-        if fused:
+        y, new_residual, rstd, source = _rms_norm_forward(x, residual, weight, eps, offset, casting)
+        ctx.save_for_backward(source, weight.contiguous(), rstd)
+        ctx.x_shape, ctx.offset, ctx.casting, ctx.fused = x.shape, offset, casting, residual is not None
+        if ctx.fused:
             return y, new_residual
         return y
 
@@ -170,24 +177,32 @@ class _RMSNormFunction(torch.autograd.Function):
         source, weight, rstd = ctx.saved_tensors
         need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         need_dw = ctx.needs_input_grad[2]
-        dx = dw = None
-        if dy is None:  # the normed output got no gradient: only the new residual's passes through
-            if need_dx and d_new_residual is not None:
-                dx = d_new_residual.reshape(ctx.x_shape)
-        elif source.numel() == 0:
-            dx = torch.zeros(ctx.x_shape, dtype=source.dtype, device=source.device) if need_dx else None
-            dw = torch.zeros_like(weight) if need_dw else None
-        elif need_dx or need_dw:
-            dx, dw = _rms_norm_backward(ctx, source, weight, rstd, dy, d_new_residual, need_dx, need_dw)
+        dx, dw = _rms_norm_grads(source, weight, rstd, dy, d_new_residual, need_dx, need_dw, ctx.x_shape,
+                                 ctx.offset, ctx.casting)
         return dx, (dx if ctx.fused else None), dw, None, None, None
 
 
-def _rms_norm_backward(ctx, source, weight, rstd, dy, d_new_residual, need_dx, need_dw):
+def _rms_norm_grads(source, weight, rstd, dy, d_new_residual, need_dx, need_dw, x_shape, offset, casting):
+    """(dx in x_shape, dw) or None for each one not needed; dy None: the normed output got no gradient."""
+    dx = dw = None
+    if dy is None:  # only the new residual's gradient passes through
+        if need_dx and d_new_residual is not None:
+            dx = d_new_residual.reshape(x_shape)
+    elif source.numel() == 0:
+        dx = torch.zeros(x_shape, dtype=source.dtype, device=source.device) if need_dx else None
+        dw = torch.zeros_like(weight) if need_dw else None
+    elif need_dx or need_dw:
+        dx, dw = _rms_norm_backward(as_rows(source), weight, rstd, dy, d_new_residual, need_dx, need_dw,
+                                    x_shape, offset, casting)
+    return dx, dw
+
+
+def _rms_norm_backward(source, weight, rstd, dy, d_new_residual, need_dx, need_dw, x_shape, offset, casting):
     n_rows, n_cols = source.shape
-    torch_compute, tl_compute = ctx.compute
+    torch_compute, tl_compute = compute_dtype(source, weight)
     dy_rows = as_rows(dy)
     ds_rows = as_rows(d_new_residual) if d_new_residual is not None else dy_rows
-    round_normed = ctx.casting == "llama" and source.dtype != torch_compute
+    round_normed = casting == "llama" and source.dtype != torch_compute
     split = split_backward(n_cols)
     fused_dw = need_dw and not split  # split: param_grads reduces dw down the columns instead
     plan = plan_row_tiles(n_rows, n_cols, source.device, persistent=fused_dw)
@@ -198,18 +213,83 @@ def _rms_norm_backward(ctx, source, weight, rstd, dy, d_new_residual, need_dx, n
     if need_dx or fused_dw:
         _rms_norm_bwd_kernel[(plan.num_programs,)](
             source, dy_rows, ds_rows, weight, rstd, dx, dw_partial,
-            n_rows, n_cols, source.stride(0), dy_rows.stride(0), ds_rows.stride(0), plan.tiles_per_program, ctx.offset,
+            n_rows, n_cols, source.stride(0), dy_rows.stride(0), ds_rows.stride(0), plan.tiles_per_program, offset,
             HAS_DS=d_new_residual is not None, STORE_DX=need_dx, STORE_DW=fused_dw, ROUND_NORMED=round_normed,
             COMPUTE=tl_compute, EMULATE_RNE=is_interpreter(),
             ROW_BLOCK=plan.row_block, BLOCK_N=plan.block_n, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps,
         )
-    dx = dx.view(ctx.x_shape) if need_dx else None
+    dx = dx.view(x_shape) if need_dx else None
     dw = None
     if split and need_dw:
         dw = param_grads(source, dy_rows, rstd, dw_dtype=weight.dtype, round_normed=round_normed)[0]
     elif need_dw:
         dw = sum_partials(dw_partial, weight.dtype)[0]
     return dx, dw
+
+
+# --- torch.compile: the same launches as custom ops (ops/_shared/compiled.py says why) ---------------
+
+
+@torch.library.custom_op("fuseforge::rms_norm", mutates_args=())
+def _rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, offset: float, casting: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, new residual (empty without a residual), rstd)."""
+    y, new_residual, rstd, _ = _rms_norm_forward(x, residual, weight, eps, offset, casting)
+    return y, (new_residual if new_residual is not None else x.new_empty(0)), rstd
+
+
+@_rms_norm_op.register_fake
+def _(x, residual, weight, eps, offset, casting):
+    rstd = x.new_empty(math.prod(x.shape[:-1]), dtype=compute_dtype(x, weight)[0])
+    new_residual = x.new_empty(x.shape) if residual is not None else x.new_empty(0)
+    return x.new_empty(x.shape, dtype=_output_dtype(x, weight, casting)), new_residual, rstd
+
+
+@torch.library.custom_op("fuseforge::rms_norm_backward", mutates_args=())
+def _rms_norm_backward_op(
+    source: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, dy: torch.Tensor,
+    d_new_residual: torch.Tensor | None, need_dx: bool, need_dw: bool, offset: float, casting: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw), each empty when not needed."""
+    dx, dw = _rms_norm_grads(source, weight.contiguous(), rstd, dy, d_new_residual, need_dx, need_dw, source.shape,
+                             offset, casting)
+    return (dx if dx is not None else source.new_empty(0)), (dw if dw is not None else weight.new_empty(0))
+
+
+@_rms_norm_backward_op.register_fake
+def _(source, weight, rstd, dy, d_new_residual, need_dx, need_dw, offset, casting):
+    return (source.new_empty(source.shape) if need_dx else source.new_empty(0)), (
+        weight.new_empty(weight.shape) if need_dw else weight.new_empty(0)
+    )
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, residual, weight, eps, offset, casting = inputs
+    _, new_residual, rstd = output
+    ctx.save_for_backward(new_residual if residual is not None else x, weight, rstd)
+    ctx.offset, ctx.casting, ctx.fused = offset, casting, residual is not None
+
+
+def _rms_norm_op_backward(ctx, dy, d_new_residual, _d_rstd):
+    source, weight, rstd = ctx.saved_tensors
+    need_dx = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    need_dw = ctx.needs_input_grad[2]
+    dx, dw = _rms_norm_backward_op(source, weight, rstd, dy, d_new_residual if ctx.fused else None,
+                                   need_dx, need_dw, ctx.offset, ctx.casting)
+    dx, dw = (dx if need_dx else None), (dw if need_dw else None)
+    return dx, (dx if ctx.fused else None), dw, None, None, None
+
+
+_rms_norm_op.register_autograd(_rms_norm_op_backward, setup_context=_rms_norm_setup)
+
+
+def _rms_norm(x, residual, weight, eps, offset, casting):
+    """The autograd.Function eagerly (no dispatcher cost per call), the custom op under torch.compile."""
+    if compiling():
+        y, new_residual, _ = _rms_norm_op(x, residual, weight, eps, offset, casting)
+        return (y, new_residual) if residual is not None else y
+    return _RMSNormFunction.apply(x, residual, weight, eps, offset, casting)
 
 
 def _check_inputs(x, weight, eps, offset, casting, residual=None) -> tuple[float, float]:
@@ -241,7 +321,7 @@ def rms_norm(
 ) -> torch.Tensor:
     """RMS-normalize the last dimension of x and scale by `offset + weight` (HF casting, see module doc)."""
     eps, offset = _check_inputs(x, weight, eps, offset, casting)
-    return _RMSNormFunction.apply(x, None, weight, eps, offset, casting)
+    return _rms_norm(x, None, weight, eps, offset, casting)
 
 
 def fused_add_rms_norm(
@@ -262,4 +342,4 @@ def fused_add_rms_norm(
     if residual is None:
         raise TypeError("residual must be a torch.Tensor, got NoneType; without a residual use rms_norm(x, weight)")
     eps, offset = _check_inputs(x, weight, eps, offset, casting, residual=residual)
-    return _RMSNormFunction.apply(x, residual, weight, eps, offset, casting)
+    return _rms_norm(x, residual, weight, eps, offset, casting)

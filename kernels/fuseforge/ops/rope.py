@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fuseforge.ops._shared.compiled import compiling
 from fuseforge.ops._shared.utils import (
     FLOAT_DTYPES,
     check_device_supported,
@@ -198,24 +199,75 @@ def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, layout
     )
 
 
+def _rope_forward(q, k, cos, sin, heads_dim, layout):
+    # empty_like keeps q's memory layout (e.g. [B, T, H, D] under a transposed view), as HF's
+    # elementwise formula would, so attention kernels downstream see the same strides.
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    _launch(q, k, q_out, k_out, cos, sin, heads_dim, backward=False, layout=layout)
+    return q_out, k_out
+
+
+def _rope_backward(grad_q_out, grad_k_out, cos, sin, heads_dim, layout):
+    grad_q, grad_k = torch.empty_like(grad_q_out), torch.empty_like(grad_k_out)
+    _launch(grad_q_out, grad_k_out, grad_q, grad_k, cos, sin, heads_dim, backward=True, layout=layout)
+    return grad_q, grad_k
+
+
 class _RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, heads_dim, layout):
-        # empty_like keeps q's memory layout (e.g. [B, T, H, D] under a transposed view), as HF's
-        # elementwise formula would, so attention kernels downstream see the same strides.
-        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        _launch(q, k, q_out, k_out, cos, sin, heads_dim, backward=False, layout=layout)
         ctx.save_for_backward(cos, sin)
         ctx.heads_dim, ctx.layout = heads_dim, layout
-        return q_out, k_out
+        return _rope_forward(q, k, cos, sin, heads_dim, layout)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_q_out, grad_k_out):
         cos, sin = ctx.saved_tensors
-        grad_q, grad_k = torch.empty_like(grad_q_out), torch.empty_like(grad_k_out)
-        _launch(grad_q_out, grad_k_out, grad_q, grad_k, cos, sin, ctx.heads_dim, backward=True, layout=ctx.layout)
+        grad_q, grad_k = _rope_backward(grad_q_out, grad_k_out, cos, sin, ctx.heads_dim, ctx.layout)
         return grad_q, grad_k, None, None, None, None
+
+
+# --- torch.compile: the same launches as custom ops (ops/_shared/compiled.py says why) ---------------
+
+
+@torch.library.custom_op("fuseforge::rope", mutates_args=())
+def _rope_op(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_dim: int, layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rope_forward(q, k, cos, sin, heads_dim, layout)
+
+
+@_rope_op.register_fake
+def _(q, k, cos, sin, heads_dim, layout):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.custom_op("fuseforge::rope_backward", mutates_args=())
+def _rope_backward_op(
+    grad_q_out: torch.Tensor, grad_k_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_dim: int,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rope_backward(grad_q_out, grad_k_out, cos, sin, heads_dim, layout)
+
+
+@_rope_backward_op.register_fake
+def _(grad_q_out, grad_k_out, cos, sin, heads_dim, layout):
+    return torch.empty_like(grad_q_out), torch.empty_like(grad_k_out)
+
+
+def _rope_setup(ctx, inputs, output):
+    q, k, cos, sin, ctx.heads_dim, ctx.layout = inputs
+    ctx.save_for_backward(cos, sin)
+
+
+def _rope_op_backward(ctx, grad_q_out, grad_k_out):
+    cos, sin = ctx.saved_tensors
+    grad_q, grad_k = _rope_backward_op(grad_q_out, grad_k_out, cos, sin, ctx.heads_dim, ctx.layout)
+    return grad_q, grad_k, None, None, None, None
+
+
+_rope_op.register_autograd(_rope_op_backward, setup_context=_rope_setup)
 
 
 LAYOUTS = ("rotate_half", "interleaved", "interleaved_to_half")
@@ -288,4 +340,6 @@ def rope(
     in "interleaved" and written as in "rotate_half" (out[i], out[i + Dr/2]).
     """
     heads_dim = _validate(q, k, cos, sin, unsqueeze_dim, layout)
+    if compiling():
+        return _rope_op(q, k, cos, sin, heads_dim, layout)
     return _RoPEFunction.apply(q, k, cos, sin, heads_dim, layout)

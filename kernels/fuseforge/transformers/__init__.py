@@ -27,6 +27,7 @@ from fuseforge.transformers.patching import (
     get_patch_report,
     is_patched,
     patched,
+    set_loss_chunk_size,
     unpatch,
 )
 from fuseforge.transformers.report import PatchReport
@@ -97,5 +98,6 @@ __all__ = [
     "get_patch_report",
     "is_patched",
     "patched",
+    "set_loss_chunk_size",
     "unpatch",
 ]

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import inspect
+import threading
 import warnings
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fuseforge.functional import cross_entropy, fused_linear_cross_entropy, fused_linear_jsd
+from fuseforge.ops._shared.compiled import compiling
 from fuseforge.ops._shared.loss_args import IGNORE_INDEX
 
 
@@ -97,6 +99,41 @@ class _LossRequest:
 
 
 _PENDING: contextvars.ContextVar[_LossRequest | None] = contextvars.ContextVar("fuseforge_pending_loss", default=None)
+# While dynamo traces a patched forward the request goes through this list instead: dynamo cannot trace a
+# ContextVar (a graph break per forward), but it traces list pushes/pops and resolves the head's read at
+# trace time, so compiled code never consults either. _EAGER_REQUESTS counts requests set on _PENDING, so
+# that a head traced on its own (the forward around it eager) still finds its request, through a graph break.
+_TRACED_REQUESTS: list[_LossRequest] = []
+_EAGER_REQUESTS = 0
+_EAGER_LOCK = threading.Lock()
+
+
+def _pending_request() -> _LossRequest | None:
+    if not compiling():
+        return _PENDING.get()
+    if _TRACED_REQUESTS:
+        return _TRACED_REQUESTS[-1]
+    return _PENDING.get() if _EAGER_REQUESTS else None
+
+
+def _call_with_request(self, original, request: _LossRequest, args: tuple, kwargs: dict):
+    """The original forward with `request` pending for this model's lm_head."""
+    global _EAGER_REQUESTS
+    if compiling():
+        _TRACED_REQUESTS.append(request)
+        try:
+            return original(self, *args, return_dict=True, **kwargs)
+        finally:
+            _TRACED_REQUESTS.pop()
+    with _EAGER_LOCK:
+        _EAGER_REQUESTS += 1
+    token = _PENDING.set(request)
+    try:
+        return original(self, *args, return_dict=True, **kwargs)
+    finally:
+        _PENDING.reset(token)
+        with _EAGER_LOCK:
+            _EAGER_REQUESTS -= 1
 
 
 def shifted_targets(
@@ -169,7 +206,7 @@ class FusedLossHeadMixin:
     """lm_head that answers a pending loss request instead of computing logits."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 - nn.Linear's name
-        request = _PENDING.get()
+        request = _pending_request()
         if request is None or request.head is not self or request.loss is not None:
             return super().forward(input)
         request.loss = _loss_from_hidden(input, self, request)
@@ -279,11 +316,7 @@ def _fused_forward(self, original, args: tuple, kwargs: dict):
         logit_divisor=divisor,
         distillation=distillation,
     )
-    token = _PENDING.set(request)
-    try:
-        output = original(self, *args, return_dict=True, **kwargs)
-    finally:
-        _PENDING.reset(token)
+    output = _call_with_request(self, original, request, args, kwargs)
     if request.loss is None:
         raise RuntimeError(
             f"fuseforge: {type(self).__name__}.forward did not call its lm_head; cannot compute the fused loss"

@@ -15,7 +15,7 @@ import functools
 import inspect
 import types
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -418,6 +418,25 @@ def get_patch_report(model_or_class) -> PatchReport | None:
 
 def is_patched(model_or_class) -> bool:
     return get_patch_report(model_or_class) is not None
+
+
+def set_loss_chunk_size(model: nn.Module, loss_chunk_size: int | None) -> None:
+    """Change the tokens per fused-loss chunk of a patched model in place (None: the op's default rule).
+
+    Cheaper than patching again (nothing is swapped): a planner can try chunk sizes between steps. The
+    report and a later `apply_kernels(model, loss_chunk_size=...)` see the new value.
+    """
+    state = model.__dict__.get(_STATE_ATTR) if isinstance(model, nn.Module) else None
+    if state is None:
+        raise ValueError(f"set_loss_chunk_size: {type(model).__name__} is not patched by apply_kernels")
+    if not state.forwards:
+        raise ValueError(f"set_loss_chunk_size: {type(model).__name__} has no fused loss head "
+                         "(fused_linear_cross_entropy was off or skipped; see get_patch_report)")
+    loss_chunk_size = check_chunk_size(loss_chunk_size, "loss_chunk_size")
+    for lm in state.forwards:
+        setattr(lm, LOSS_SPEC_ATTR, replace(getattr(lm, LOSS_SPEC_ATTR), chunk_size=loss_chunk_size))
+    state.options["loss_chunk_size"] = loss_chunk_size
+    state.report.loss_chunk_size = loss_chunk_size
 
 
 @contextlib.contextmanager

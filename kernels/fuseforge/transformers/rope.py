@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from fuseforge.functional import rope
+from fuseforge.ops._shared.compiled import compiling
 from fuseforge.transformers._fingerprint import matches
 
 # Verified `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)` bodies (rotate-half convention):
@@ -87,6 +88,16 @@ _LAYOUT_LABELS = {
     "interleaved_to_half": ", interleaved pairs to halves",
 }
 _ACTIVE = contextvars.ContextVar("fuseforge_fused_rope_active", default=False)
+# The same scope while dynamo traces, which cannot trace a ContextVar: a plain list it can (one entry
+# per patched attention forward being traced). Only the trace reads it; compiled code holds the result.
+_TRACED_SCOPES: list[bool] = []
+
+
+def _active() -> bool:
+    """Whether a patched attention forward (the fused-RoPE scope) is running."""
+    if compiling():
+        return bool(_TRACED_SCOPES)
+    return _ACTIVE.get()
 _LOCK = threading.RLock()
 
 
@@ -145,7 +156,7 @@ def _half_width_dispatcher(original):
 
     @functools.wraps(original)
     def dispatcher(q, k, cos, sin, unsqueeze_dim=1):
-        if _ACTIVE.get() and _fusable(q, k, cos, sin, unsqueeze_dim):
+        if _active() and _fusable(q, k, cos, sin, unsqueeze_dim):
             cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
             return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
         return original(q, k, cos, sin, unsqueeze_dim)
@@ -159,7 +170,7 @@ def _single_tensor_dispatcher(original):
 
     @functools.wraps(original)
     def dispatcher(x, cos, sin, unsqueeze_dim=1):
-        if _ACTIVE.get() and _fusable(x, x, cos, sin, unsqueeze_dim) and x.shape[unsqueeze_dim] > 0:
+        if _active() and _fusable(x, x, cos, sin, unsqueeze_dim) and x.shape[unsqueeze_dim] > 0:
             stand_in = x.detach().narrow(unsqueeze_dim, 0, 1)
             return rope(x, stand_in, cos, sin, unsqueeze_dim=unsqueeze_dim)[0]
         return original(x, cos, sin, unsqueeze_dim)
@@ -182,7 +193,7 @@ def _make_dispatcher(name: str, original, layout: str):
 
         @functools.wraps(original)
         def dispatcher(xq, xk, freqs_cis):
-            if _ACTIVE.get() and _fusable_complex(xq, xk, freqs_cis):
+            if _active() and _fusable_complex(xq, xk, freqs_cis):
                 return rope(xq, xk, *_cos_sin_of(freqs_cis), unsqueeze_dim=2, layout=layout)
             return original(xq, xk, freqs_cis)
 
@@ -192,7 +203,7 @@ def _make_dispatcher(name: str, original, layout: str):
         def dispatcher(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
             # HF rotates the whole head: cos/sin as wide as q/k (anything else is left to it).
             fusable = _fusable(q, k, cos, sin, unsqueeze_dim) and cos.shape[-1] == q.shape[-1]
-            if _ACTIVE.get() and fusable:
+            if _active() and fusable:
                 return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, layout=layout)
             return original(q, k, cos, sin, position_ids, unsqueeze_dim)
 
@@ -200,7 +211,7 @@ def _make_dispatcher(name: str, original, layout: str):
 
         @functools.wraps(original)
         def dispatcher(q, k, cos, sin, unsqueeze_dim=1):
-            if _ACTIVE.get() and _fusable(q, k, cos, sin, unsqueeze_dim):
+            if _active() and _fusable(q, k, cos, sin, unsqueeze_dim):
                 return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, layout=layout)
             return original(q, k, cos, sin, unsqueeze_dim)
 
@@ -334,6 +345,12 @@ class FusedRoPEAttentionMixin:
     def forward(self, *args, **kwargs):
         if not all(ensure_installed(site) for site in rope_sites_of(type(self)._fuseforge_original)):
             return super().forward(*args, **kwargs)
+        if compiling():
+            _TRACED_SCOPES.append(True)
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                _TRACED_SCOPES.pop()
         token = _ACTIVE.set(True)
         try:
             return super().forward(*args, **kwargs)

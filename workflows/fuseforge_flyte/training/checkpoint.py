@@ -785,6 +785,21 @@ class CheckpointManager:
             )
         return None
 
+    def saved_global_batch(self) -> Optional[int]:
+        """The global batch (sequences per step) of the newest complete checkpoint, or None; read before
+        resuming so that a planned run keeps it on another world size. Only a hint: resume() verifies."""
+
+        def read() -> Optional[int]:
+            for entry in reversed([e for e in self.store.list() if e.complete and not e.skipped]):
+                try:
+                    return int(json.loads(self.store.fs.cat_file(self.store.path(entry.name, STATE)))
+                               ["settings"]["global_batch"])
+                except (OSError, ValueError, KeyError, TypeError):
+                    continue
+            return None
+
+        return self.ctx.broadcast_object(read() if self.ctx.is_main else None)
+
     def _warn_unauthenticated(self) -> None:
         """Once per process: without a key a resume checks integrity, not who wrote the checkpoint."""
         global _warned_unauthenticated

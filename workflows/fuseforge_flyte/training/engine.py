@@ -14,6 +14,7 @@ them wrongly. The model gets that global count as `num_items_in_batch`.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import math
@@ -23,9 +24,10 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from fuseforge_flyte.console import ensure_console_logging
-from fuseforge_flyte.training import faults
-from fuseforge_flyte.training import permanent, preemption, tracking
+from fuseforge_flyte.training import faults, fp8
+from fuseforge_flyte.training import permanent, planner, preemption, tracking
 from fuseforge_flyte.training.checkpoint import CheckpointManager, run_settings
+from fuseforge_flyte.training.compilation import compile_layers
 from fuseforge_flyte.training.data import (IGNORE_INDEX, DataPosition, Prefetcher, Sample, ShardedBatches,
                                            TrainingData,
                                            benchmark_dataset, collate, eval_batches, open_training_data,
@@ -61,15 +63,6 @@ def _apply_kernels(model: torch.nn.Module, spec: TrainSpec, log_it: bool) -> Lis
     if log_it:
         log.info("%s", report.summary())
     return report.patched_kernels()
-
-
-def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
-    """Non-reentrant checkpointing of every decoder layer (newer transformers renamed the method)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _fingerprint(model: torch.nn.Module) -> Dict[str, list]:
@@ -115,6 +108,9 @@ class _Run:
         self.spec = spec
         self.ctx = ctx
         self.tracker = tracker or tracking.Tracker()
+        if spec.fp8:  # no FP8 on this device, or no torchao: fail before the data and the model
+            fp8.check_fp8_device(ctx.device)
+            fp8.import_float8()
         # the data first: a bad dataset fails before any model is built, wrapped or sharded
         self.data = open_training_data(spec, ctx)
         model = _build_model_for(spec, self.data, ctx.device)
@@ -131,6 +127,8 @@ class _Run:
         self.tokens_per_step = self.samples_per_step * spec.seq_len
         self._batches(DataPosition())  # raises if one global step needs more sequences than there are
         self.kernels_patched = _apply_kernels(model, spec, ctx.is_main) if spec.kernels else []
+        # after the kernels (the fused loss head is then what fp8 leaves alone), before any wrapper
+        self.fp8_linears = fp8.convert_to_fp8(model, log_it=ctx.is_main) if spec.fp8 else []
         self.teacher = None
         if spec.teacher:
             from fuseforge_flyte.training.distill import Teacher
@@ -138,7 +136,9 @@ class _Run:
             self.teacher = Teacher(spec, model, ctx.device, compute_torch_dtype(spec, ctx.device),
                                    model.config._attn_implementation)
         if spec.gradient_checkpointing:
-            _enable_activation_checkpointing(model)
+            planner.set_activation_checkpointing(model, 1)
+        if spec.compile:  # the final layers (kernels, fp8, checkpointing), before the strategy wraps them
+            compile_layers(model, log_it=ctx.is_main)
         self.flops = model_flops(model, spec.seq_len)
         fingerprint = _fingerprint(model)
         self.strategy: Strategy = make_strategy(spec, ctx, model)
@@ -156,6 +156,39 @@ class _Run:
                                           fingerprint=fingerprint, model_config=model.config.to_dict(),
                                           settings=settings, allow_changes=spec.resume_allow_changes,
                                           after_save=after_checkpoint)
+        self.plan = self._plan()
+
+    def _plan(self) -> Optional[planner.Plan]:
+        """plan='auto': probe layouts and train with the fastest that fits (training/planner.py).
+
+        The global batch stays: the spec's, or after a restart on another world size the checkpoint's.
+        The plan replaces batch_size, grad_accum, gradient_checkpointing and loss_chunk_size.
+        """
+        spec, ctx = self.spec, self.ctx
+        if spec.plan != "auto":
+            return None
+        meter = planner.meter_for(ctx.device)
+        reason = planner.unsupported_reason(spec, meter)
+        if reason is not None:
+            if ctx.is_main:
+                log.info("%s", reason)
+            return None
+        global_batch = self.samples_per_step
+        saved = self.ckpt.saved_global_batch() if self.ckpt is not None else None
+        if saved is not None and saved != global_batch:
+            if ctx.is_main:
+                log.info("plan: keeping the checkpoint's global batch of %d sequences per step on %d ranks "
+                         "(batch_size x grad_accum x ranks gives %d now)", saved, ctx.world_size, global_batch)
+            global_batch = saved
+        plan = planner.plan_run(self, global_batch, meter)
+        choice = plan.choice
+        self.spec = self.strategy.spec = dataclasses.replace(
+            spec, batch_size=choice.micro_batch, grad_accum=choice.grad_accum,
+            gradient_checkpointing=choice.checkpoint_every > 0, loss_chunk_size=choice.loss_chunk_size)
+        self.samples_per_step, self.tokens_per_step = global_batch, global_batch * spec.seq_len
+        if self.ckpt is not None:
+            self.ckpt.settings["global_batch"] = global_batch
+        return plan
 
     def _batches(self, position: DataPosition) -> ShardedBatches:
         spec, ctx = self.spec, self.ctx
@@ -361,6 +394,7 @@ class _Run:
             resumed_from_step=self.resumed_from, dtype=dtype, num_params=self.flops.num_params,
             flops_per_token=self.flops.flops_per_token, tokens_per_step=self.tokens_per_step,
             step_time_curve=list(h.step_time), kernels_patched=list(self.kernels_patched),
+            fp8_linears=len(self.fp8_linears), plan=self.plan.to_json() if self.plan is not None else "",
             eval_loss=h.eval_loss[-1] if h.eval_loss else None,
             eval_perplexity=perplexity(h.eval_loss[-1]) if h.eval_loss else None,
             eval_loss_curve=list(h.eval_loss), eval_steps=list(h.eval_steps),

@@ -320,6 +320,17 @@ def build_model(name: str, *, seed: int, device: torch.device, vocab_size: Optio
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+def decoder_layers(model: torch.nn.Module, purpose: str) -> list:
+    """The model's decoder layers: the modules whose class is in its `_no_split_modules` (what FSDP shards
+    and torch.compile compiles one by one); ValueError naming `purpose` when there are none."""
+    layer_classes = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
+    if not layers:
+        raise ValueError(f"{purpose}: cannot find the decoder layers of {type(model).__name__} "
+                         f"(its _no_split_modules is {sorted(layer_classes)})")
+    return layers
+
+
 @dataclass
 class ModelFlops:
     """Parameter counts and training FLOPs per token (forward + backward)."""

@@ -64,6 +64,15 @@ class TrainSpec:
     offload: bool = _setting(False, "DeepSpeed: offload optimizer state and parameters to CPU memory")
     dtype: str = _setting("bf16", "training precision on GPUs: bf16, fp16 or fp32 (CPU runs use fp32)")
     gradient_checkpointing: bool = _setting(False, "recompute activations in the backward pass to save memory")
+    fp8: bool = _setting(False, "FP8 matmuls in the linear layers (torchao float8 training; not lm_head or MoE "
+                         "routers): needs dtype bf16, a GPU of compute capability >= 8.9 (H100, H200, L40S...), "
+                         "strategy ddp or fsdp, and the fuseforge[fp8] extra")
+    compile: bool = _setting(False, "torch.compile each decoder layer (inductor) before wrapping the model; "
+                             "strategy ddp or fsdp. The first steps are slower while it compiles")
+    plan: str = _setting("auto", "auto: on GPUs, probe a few real micro-batches and train with the fastest layout "
+                         "that fits in memory (micro-batch, grad_accum, activation checkpointing, loss chunk), "
+                         "keeping the global batch batch_size x grad_accum x GPUs (strategy ddp; CPU runs: off); "
+                         "off: use batch_size, grad_accum, gradient_checkpointing and loss_chunk_size as given")
     seed: int = _setting(0, "seed of the model's initialisation, the data order and dropout")
     checkpoint_dir: str = _setting("", "where checkpoints go: a local directory or fsspec URI (s3://, gs://, ...); "
                                    "empty: on a cluster, the task's own Flyte checkpoint (kept across retries, "
@@ -114,7 +123,9 @@ class TrainMetrics:
     steps: int = 0
     tokens_per_s: float = 0.0
     samples_per_s: float = 0.0
-    mfu: float = 0.0  # model FLOPs utilisation, 0..1 (0 when the device's peak is unknown, e.g. CPU)
+    # model FLOPs utilisation, 0..1, against the device's peak for dtype (0 when unknown, e.g. CPU); with fp8
+    # still the bf16 peak, so that fp8 and bf16 runs of a model compare (FP8 speed shows as a higher MFU)
+    mfu: float = 0.0
     peak_memory_gib: float = 0.0  # max allocated on the accelerator (process RSS on CPU)
     step_time_p50_s: float = 0.0
     step_time_p90_s: float = 0.0
@@ -143,19 +154,28 @@ class TrainMetrics:
     loss_tokens_per_step: float = 0.0  # tokens that carry a loss, per step on average (packing and masking)
     dataset: str = ""  # what the run trained on (the prepared data's source)
     model_dir: str = ""  # where the trained model was written ("" when not saved)
+    fp8_linears: int = 0  # linear layers that computed in FP8 (TrainSpec.fp8; see training/fp8.py)
+    # the planner's choice and every probe it measured, as JSON (training/planner.py Plan.from_json);
+    # "" when the layout was used as given (plan='off', CPU, unsupported strategy)
+    plan: str = ""
 
     def __str__(self) -> str:
         """A short summary (what `pyflyte run` prints); the fields hold everything."""
         mfu = f"{self.mfu * 100:.1f} %" if self.mfu else "n/a"
         rows = [
             f"{self.model} on {self.dataset or '?'} · {self.strategy} · {self.world_size} x {self.device} · "
-            f"{'fuseforge kernels' if self.kernels else 'no kernels'} · {self.dtype}",
+            f"{'fuseforge kernels' if self.kernels else 'no kernels'} · {self.dtype}"
+            + (f" + fp8 ({self.fp8_linears} linear layers)" if self.fp8_linears else ""),
             f"  steps {self.steps}   tokens/s {self.tokens_per_s:,.0f}   MFU {mfu}   peak memory "
             f"{self.peak_memory_gib:.2f} GiB   step p50 {self.step_time_p50_s * 1e3:.1f} ms   "
             f"data wait {self.data_wait_fraction * 100:.2f} %",
             f"  final loss {self.final_loss:.4f}" + (f"   eval loss {self.eval_loss:.4f} (perplexity "
                                                       f"{self.eval_perplexity:.2f})" if self.eval_loss is not None else ""),
         ]
+        if self.plan:
+            from fuseforge_flyte.training.planner import Plan
+
+            rows.append(f"  plan: {Plan.from_json(self.plan).summary()}")
         if self.model_dir:
             rows.append(f"  model: {self.model_dir}")
         return "\n".join(rows)

@@ -21,6 +21,7 @@ CHOICES = {
     "nonfinite_policy": ("raise", "skip"),
     "zero_stage": (1, 2, 3),
     "data_format": DATA_FORMATS,
+    "plan": ("auto", "off"),  # see training/planner.py
 }
 # apply_kernels' switches a run may turn off (fuseforge.transformers.DEFAULT_FLAGS, minus cross_entropy, which
 # only serves models whose loss computes logits: it is off there by default).
@@ -70,6 +71,7 @@ def validate_spec(spec) -> None:
     if not spec.model or not is_known_model(spec.model):
         raise ValueError(unknown_model_message(spec.model))
     _check_distillation(spec)
+    _check_fp8_and_compile(spec)
     _check_data(spec)
     if spec.checkpoint_every > 0 and spec.checkpoint_dir == CHECKPOINT_OFF:
         raise ValueError(f"TrainSpec.checkpoint_every > 0 needs checkpoints, but TrainSpec.checkpoint_dir is {CHECKPOINT_OFF!r}")
@@ -82,6 +84,18 @@ def validate_spec(spec) -> None:
             "TrainSpec.nonfinite_policy='skip' with strategy='deepspeed' needs grad_accum=1 "
             "(DeepSpeed owns gradient accumulation, so a step cannot be dropped half-way)"
         )
+
+
+def _check_fp8_and_compile(spec) -> None:
+    """FP8 runs its matmuls from bf16 activations (torchao); neither FP8 nor compile is verified under DeepSpeed.
+    The GPU and torchao are checked by the worker, where they are known (training/fp8.py)."""
+    if spec.fp8 and spec.dtype != "bf16":
+        raise ValueError(f"TrainSpec.fp8 needs dtype='bf16' (FP8 matmuls between bf16 activations), "
+                         f"got dtype={spec.dtype!r}")
+    for name in ("fp8", "compile"):
+        if getattr(spec, name) and spec.strategy == "deepspeed":
+            raise ValueError(f"TrainSpec.{name} is not supported with strategy='deepspeed' (not verified with "
+                             f"DeepSpeed's engine): use strategy 'ddp' or 'fsdp', or set {name} false")
 
 
 def _check_distillation(spec) -> None:
