@@ -37,7 +37,7 @@ PRESETS = {
     "qwen2.5-vl-7b-4l": dict(hidden_size=3584, num_hidden_layers=4, num_attention_heads=28, num_key_value_heads=4,
                              intermediate_size=18944, vocab_size=152064),
 }
-VARIANTS = ("eager", "liger", "fuseforge", "compile", "fuseforge+compile")
+VARIANTS = ("eager", "liger", "fuseforge", "compile", "fuseforge+compile", "fuseforge+fp8")
 
 
 def build_model(preset: str, family: str):
@@ -94,6 +94,15 @@ def apply_variant(model, variant: str):
         report = apply_kernels(model)
         model._bench_note = "fused: " + ", ".join(sorted(set(report.patched_kernels())))
         model = torch.compile(model)
+    elif variant == "fuseforge+fp8":  # the platform's fp8 setting: torchao float8 linears, layers compiled
+        from fuseforge.transformers import apply_kernels
+        from fuseforge_flyte.training.compilation import compile_layers
+        from fuseforge_flyte.training.fp8 import convert_to_fp8
+
+        report = apply_kernels(model)
+        converted = convert_to_fp8(model)
+        compile_layers(model)
+        model._bench_note = f"fused: {', '.join(sorted(set(report.patched_kernels())))}; fp8 linears: {len(converted)}"
     return model
 
 

@@ -86,6 +86,14 @@ mc = torch.compile(m); mc(x).float().sum().backward(); print('compiled ok')" ;;
         tests-planner) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/platform/test_planner.py ;;
         fp8-check) STEP_TIMEOUT=540 run_step "$step" python3 benchmarks/fp8_check.py ;;
         tests-fp8-compile) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/platform/test_fp8_compile.py ;;
+        tests-issue21) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_custom_ops.py \
+            tests/hf/test_compile.py tests/platform/test_master_weights.py tests/platform/test_fp8_compile.py ;;
+        model-1b-issue21) STEP_TIMEOUT=420 run_step "$step" python3 benchmarks/bench_model.py --variants liger fuseforge \
+            fuseforge+compile --json "$OUT/model-1b.json" ;;
+        engine-1b-issue21) for v in "off --no-compile" "auto --no-compile" "off --compile"; do set -- $v; STEP_TIMEOUT=200 \
+            run_step "engine-1b-plan-$1$2" python3 -m fuseforge_flyte.training --model llama-1b --dataset bench:synthetic \
+            --steps 40 --batch-size 4 --seq-len 2048 --dtype bf16 --kernels --plan $1 $2 --output "$OUT/engine-$1$2.json"; done ;;
+        compile-check) STEP_TIMEOUT=300 run_step "$step" python3 benchmarks/compile_check.py ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done

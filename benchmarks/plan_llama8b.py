@@ -2,6 +2,7 @@
 
     python benchmarks/plan_llama8b.py                          # all three, 16 x 4096 tokens per optimizer step
     python benchmarks/plan_llama8b.py --variants fuseforge --json out.json
+    python benchmarks/plan_llama8b.py --variants fuseforge+fp8   # torchao float8 linears, compiled layers
 
 For each variant (own subprocess, clean allocator): the 8B shape from bench_model.py (random bf16 weights,
 SDPA, fused AdamW whose bf16 moments are set aside from the budget), then training/planner.py's search over
@@ -27,7 +28,7 @@ for path in (HERE, os.path.join(ROOT, "kernels"), os.path.join(ROOT, "workflows"
     if path not in sys.path:
         sys.path.insert(0, path)
 
-VARIANTS = ("eager", "liger", "fuseforge")
+VARIANTS = ("eager", "liger", "fuseforge", "fuseforge+fp8")
 
 
 def emit(record: dict) -> None:

@@ -105,7 +105,7 @@ def _opcheck_cases(device):
     }
 
 
-OPCHECK_CASES = tuple(_opcheck_cases("cpu"))
+OPCHECK_CASES = tuple(_opcheck_cases("cuda" if torch.cuda.is_available() else "cpu"))  # names only
 
 
 @pytest.mark.parametrize("case", OPCHECK_CASES)
@@ -244,8 +244,11 @@ def test_fused_linear_cross_entropy_compiled_with_frozen_weight(device):
 
 
 @pytest.mark.parametrize("op", ["cross_entropy", "fused_linear_cross_entropy"])
-def test_bad_class_index_raises_when_compiled(op, device):
+def test_bad_class_index_raises_when_compiled(op, device, monkeypatch):
     """The range check runs inside the custom op (eagerly): still a ValueError naming the index."""
+    from fuseforge.ops._shared import targets as target_checks
+
+    monkeypatch.setattr(target_checks, "TARGET_CHECK", "sync")  # on a GPU, raise in the call (targets.py)
     h, w = leaf(6, 16, device=device), leaf(37, 16, device=device)
     t = targets(6, 37, device)
     t[4] = 37 + 5

@@ -81,15 +81,15 @@ def test_a_model_without_fp8_sized_layers_is_refused():
         fp8.convert_to_fp8(transformers.LlamaForCausalLM(config))
 
 
-def test_converted_model_keeps_the_fused_loss_and_stays_close_to_fp32():
+def test_converted_model_keeps_the_fused_loss_and_stays_close_to_fp32(device):
     """FP8 matmuls (tensorwise e4m3 forward, e5m2 gradients): loss and gradients near the fp32 model's, not equal."""
     from fuseforge.transformers import apply_kernels
 
-    reference = build_model("tiny-llama", seed=0, device=CPU)
+    reference = build_model("tiny-llama", seed=0, device=torch.device(device))
     apply_kernels(reference)
     model = copy.deepcopy(reference)
     fp8.convert_to_fp8(model)
-    ids = torch.randint(0, reference.config.vocab_size, (2, 32))
+    ids = torch.randint(0, reference.config.vocab_size, (2, 32), device=device)
     losses = []
     for m in (reference, model):
         loss = m(input_ids=ids, labels=ids).loss
