@@ -24,6 +24,7 @@ backward, or to call backward twice with retain_graph=True).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -137,7 +138,12 @@ def _as_rows(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 
 
 def _launch_config(n_rows: int, n_cols: int) -> dict:
-    tile = _INTERPRETER_TILE if is_interpreter() else _GPU_TILE
+    """Grid and meta-parameters (cached: planning costs host time comparable to the launch itself)."""
+    return _cached_launch_config(n_rows, n_cols, _INTERPRETER_TILE if is_interpreter() else _GPU_TILE)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_launch_config(n_rows: int, n_cols: int, tile: int) -> dict:
     block_c = min(triton.next_power_of_2(n_cols), tile)
     block_r = min(max(1, tile // block_c), triton.next_power_of_2(n_rows))
     grid = (triton.cdiv(n_rows, block_r) * triton.cdiv(n_cols, block_c),)

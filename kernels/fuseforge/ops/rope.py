@@ -35,6 +35,8 @@ rotation); only cos/sin are kept for it, and they get no gradient.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -159,6 +161,20 @@ def _bhtd_strides(x: torch.Tensor, heads_dim: int) -> tuple[int, int, int, int]:
     return x.stride(0), x.stride(heads_dim), x.stride(token_dim), x.stride(3)
 
 
+@functools.lru_cache(maxsize=4096)
+def _tiling(n_rows: int, n_q_heads: int, n_k_heads: int, half: int, head_dim: int, tile: int) -> tuple:
+    """Block sizes and warps (cached: planning costs host time comparable to the launch itself)."""
+    block_half = triton.next_power_of_2(half)
+    block_pass = triton.next_power_of_2(max(head_dim - 2 * half, 1))
+    heads_per_tile = max(1, tile // block_half)
+    block_hq = min(triton.next_power_of_2(n_q_heads), heads_per_tile)
+    block_hk = min(triton.next_power_of_2(n_k_heads), heads_per_tile)
+    block_t = max(1, tile // (block_hq * block_half))
+    block_t = min(block_t, triton.next_power_of_2(n_rows))
+    num_warps = min(16, max(1, block_t * block_hq * block_half // (32 * _GPU_ELEMENTS_PER_THREAD)))
+    return block_half, block_pass, block_hq, block_hk, block_t, num_warps
+
+
 def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, layout: str) -> None:
     batch, seq_len, head_dim = q.shape[0], q.shape[3 - heads_dim], q.shape[3]
     n_q_heads, n_k_heads = q.shape[heads_dim], k.shape[heads_dim]
@@ -166,15 +182,9 @@ def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, layout
     if n_rows == 0 or n_q_heads == 0:
         return
     half = cos.shape[-1] // 2
-    block_half = triton.next_power_of_2(half)
-    block_pass = triton.next_power_of_2(max(head_dim - 2 * half, 1))
     tile = _INTERPRETER_TILE if is_interpreter() else _GPU_TILE
-    heads_per_tile = max(1, tile // block_half)
-    block_hq = min(triton.next_power_of_2(n_q_heads), heads_per_tile)
-    block_hk = min(triton.next_power_of_2(n_k_heads), heads_per_tile)
-    block_t = max(1, tile // (block_hq * block_half))
-    block_t = min(block_t, triton.next_power_of_2(n_rows))
-    num_warps = min(16, max(1, block_t * block_hq * block_half // (32 * _GPU_ELEMENTS_PER_THREAD)))
+    block_half, block_pass, block_hq, block_hk, block_t, num_warps = _tiling(
+        n_rows, n_q_heads, n_k_heads, half, head_dim, tile)
     cos_batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
     sin_batch_stride = sin.stride(0) if sin.shape[0] > 1 else 0
     # interleaved_to_half maps pairs to halves; its transpose (backward) maps halves back to pairs.

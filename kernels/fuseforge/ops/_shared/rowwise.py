@@ -9,6 +9,7 @@ sums stay small; the forward pass uses one tile per program.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -63,21 +64,36 @@ def plan_row_tiles(n_rows: int, n_cols: int, device: torch.device, *, persistent
 
     `persistent=True` caps the grid near the number of resident programs (backward
     passes that write one partial-sum row per program); otherwise one tile per program.
+    Plans are cached on every input they depend on (the tuning constants included, so that a
+    changed constant takes effect): planning costs more host time than a small kernel launch.
     """
     if n_cols > MAX_FUSED_SIZE:
         raise ValueError(
             f"rows of {n_cols} elements exceed the {MAX_FUSED_SIZE} that one fused program holds; "
             "normalize over a smaller last dimension"
         )
+    interpreter = is_interpreter()
+    tuning = (INTERPRETER_ROW_BLOCK, INTERPRETER_MAX_TILE_ELEMENTS) if interpreter else (
+        GPU_WIDE_ROW, GPU_MAX_ROW_BLOCK, GPU_TILE_ELEMENTS, GPU_ELEMENTS_PER_THREAD, GPU_BWD_PROGRAMS_PER_SM,
+        GPU_BWD_STAGES)
+    programs_hint = num_programs_hint(device) if persistent else 0
+    return _plan_row_tiles(n_rows, n_cols, persistent, interpreter, programs_hint, tuning)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_row_tiles(n_rows: int, n_cols: int, persistent: bool, interpreter: bool, programs_hint: int,
+                    tuning: tuple) -> RowTiling:
     block_n, _ = row_launch_config(n_cols)
-    if is_interpreter():
-        row_block = min(INTERPRETER_ROW_BLOCK, triton.next_power_of_2(max(n_rows, 1)))
-        row_block = max(1, min(row_block, INTERPRETER_MAX_TILE_ELEMENTS // block_n))
+    if interpreter:
+        row_block_cap, max_tile = tuning
+        row_block = min(row_block_cap, triton.next_power_of_2(max(n_rows, 1)))
+        row_block = max(1, min(row_block, max_tile // block_n))
         num_warps = row_launch_config(row_block * block_n)[1]
     else:
-        wide = block_n >= GPU_WIDE_ROW
-        row_block = max(1, min(GPU_MAX_ROW_BLOCK, GPU_TILE_ELEMENTS // block_n))
-        per_thread = GPU_ELEMENTS_PER_THREAD[wide]
+        wide_row, max_row_block, tile_elements, per_thread_by_width, programs_per_sm, bwd_stages = tuning
+        wide = block_n >= wide_row
+        row_block = max(1, min(max_row_block, tile_elements // block_n))
+        per_thread = per_thread_by_width[wide]
         num_warps = min(32, max(1, triton.next_power_of_2(row_block * block_n // (32 * per_thread))))
     n_tiles = triton.cdiv(max(n_rows, 1), row_block)
     num_programs = n_tiles
@@ -86,9 +102,9 @@ def plan_row_tiles(n_rows: int, n_cols: int, device: torch.device, *, persistent
         # A few resident programs per SM, each looping over an equal share of tiles, so
         # that the [programs, N] partial sums stay small.
         # (no more than fit at once: an SM holds 64 warps, and a second wave would idle half the GPU).
-        per_sm = 1 if is_interpreter() else max(1, min(GPU_BWD_PROGRAMS_PER_SM[wide], 64 // num_warps))
-        num_programs = min(n_tiles, num_programs_hint(device) * per_sm)
-        num_stages = 1 if is_interpreter() else GPU_BWD_STAGES
+        per_sm = 1 if interpreter else max(1, min(programs_per_sm[wide], 64 // num_warps))
+        num_programs = min(n_tiles, programs_hint * per_sm)
+        num_stages = 1 if interpreter else bwd_stages
     tiles_per_program = triton.cdiv(n_tiles, num_programs)
     num_programs = triton.cdiv(n_tiles, tiles_per_program)
     return RowTiling(block_n, row_block, num_warps, num_programs, tiles_per_program, num_stages)

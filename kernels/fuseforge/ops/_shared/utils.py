@@ -26,6 +26,7 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.lru_cache(maxsize=1024)
 def row_launch_config(n_cols: int, max_block: int = MAX_FUSED_SIZE) -> tuple[int, int]:
     """Block size and warp count for a kernel that reduces one row per program."""
     block = triton.next_power_of_2(max(int(n_cols), 1))
