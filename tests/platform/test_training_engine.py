@@ -366,3 +366,23 @@ def test_byte_corpus_ships_with_the_package():
     path = bytes_corpus_path()
     assert os.path.isfile(path) and os.path.getsize(path) > 4000
     assert "public domain" in open(path, encoding="utf-8").read(400)
+
+
+def test_missing_deepspeed_is_a_permanent_error(monkeypatch):
+    """A restart cannot install DeepSpeed: the error must be one torch elastic does not retry."""
+    import builtins
+
+    from fuseforge_flyte.training import permanent
+    from fuseforge_flyte.training.strategies import import_deepspeed
+
+    real_import = builtins.__import__
+
+    def no_deepspeed(name, *args, **kwargs):
+        if name == "deepspeed":
+            raise ImportError("No module named 'deepspeed'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_deepspeed)
+    with pytest.raises(ImportError, match=r"pip install 'fuseforge\[deepspeed\]'") as err:
+        import_deepspeed()
+    assert permanent.is_permanent(err.value)

@@ -320,9 +320,10 @@ def build_model(name: str, *, seed: int, device: torch.device, vocab_size: Optio
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
-def decoder_layers(model: torch.nn.Module, purpose: str) -> list:
-    """The model's decoder layers: the modules whose class is in its `_no_split_modules` (what FSDP shards
-    and torch.compile compiles one by one); ValueError naming `purpose` when there are none."""
+def decoder_layers(model: torch.nn.Module, purpose: str = "plan") -> list:
+    """The model's decoder layers in model order: the modules whose class is in its `_no_split_modules` (what
+    FSDP shards, torch.compile compiles and the planner checkpoints one by one); ValueError naming `purpose`
+    when there are none."""
     layer_classes = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
     if not layers:

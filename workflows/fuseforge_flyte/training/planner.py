@@ -35,6 +35,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from fuseforge_flyte.training.models import decoder_layers
+
 log = logging.getLogger("fuseforge.training")
 
 CHECKPOINT_CHOICES = (0, 2, 1)  # none, every 2nd decoder layer, every layer: less recompute first
@@ -261,13 +263,6 @@ def search(per_rank: int, measure: Callable[[Candidate], Probe], budget_bytes: i
 
 
 # ----------------------------------------------------------------------------- switches on the model
-
-
-def decoder_layers(model: torch.nn.Module) -> List[torch.nn.Module]:
-    """The layers transformers checkpoints one by one (GradientCheckpointingLayer), in model order."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 def set_activation_checkpointing(model: torch.nn.Module, every: int) -> None:

@@ -320,8 +320,8 @@ class FSDPStrategy(_TorchOptimized):
 def import_deepspeed():
     try:
         import deepspeed
-    except ImportError as err:
-        raise RuntimeError(
+    except ImportError as err:  # an ImportError: permanent, a restart cannot install it (permanent.py)
+        raise ImportError(
             "strategy='deepspeed' needs DeepSpeed, an optional extra: pip install 'fuseforge[deepspeed]' "
             "(DS_BUILD_OPS=0 skips compiling its CUDA ops at install time)"
         ) from err
