@@ -167,24 +167,19 @@ def _first_block_in_grad_weight(hidden, weight, bias, target, opts, grads, slice
     return n0
 
 
-def _sweep(hidden, weight, bias, target, opts: LossOptions, scale, wanted: _Wanted, chunk: int):
-    """One pass over all tokens: per-token loss and lse, plus (if `scale` is given) the
-    gradients of the loss scaled by `scale` (1 element, or one per token)."""
+def _chunked_sweep(hidden, weight, bias, target, opts: LossOptions, grads, chunk: int, first: int,
+                  first_block_stats, chunk_stats) -> None:
+    """The chunk loop of every fused linear loss: the first `first` tokens with their logits in grad_weight's
+    storage when that pays (_first_block_in_grad_weight, given `first_block_stats`), then chunks of `chunk`
+    tokens through one scratch buffer. `chunk_stats(start, stop, logits)` records those rows' statistics and
+    returns (the scale of their gradient, their lse); with `grads` the gradients are accumulated and finished."""
     n_tokens, n_hidden = hidden.shape
     n_vocab = weight.shape[0]
-    loss = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
-    lse = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
-    grads = _Gradients(hidden, weight, bias, wanted) if scale is not None else None
     start = 0
-    if grads is not None and grads.weight is not None and min(n_tokens, n_hidden) > chunk:
+    if grads is not None and grads.weight is not None and first > chunk:
         slice_rows = _round_rows(max(1, chunk * n_vocab // n_hidden))  # staging ~ one chunk of logits
-        n0 = min(n_tokens, n_hidden)
-
-        def block_stats(logits_t):
-            vocab_major_loss_and_lse(logits_t, target[:n0], opts, loss[:n0], lse[:n0])
-            return _rows(scale, 0, n0), lse[:n0]
-
-        start = _first_block_in_grad_weight(hidden, weight, bias, target, opts, grads, slice_rows, n0, block_stats)
+        start = _first_block_in_grad_weight(hidden, weight, bias, target, opts, grads, slice_rows, first,
+                                            first_block_stats)
     if start < n_tokens:
         scratch = hidden.new_empty(min(chunk, n_tokens - start), n_vocab)
         for s in range(start, n_tokens, chunk):
@@ -194,13 +189,33 @@ def _sweep(hidden, weight, bias, target, opts: LossOptions, scale, wanted: _Want
                 torch.mm(hidden[s:e], weight.t(), out=logits)
             else:
                 torch.addmm(bias, hidden[s:e], weight.t(), out=logits)
-            ce_forward_stats(logits, target[s:e], opts, loss_out=loss[s:e], lse_out=lse[s:e])
+            scale, lse = chunk_stats(s, e, logits)
             if grads is not None:
-                ce_write_grad(logits, target[s:e], lse[s:e], _rows(scale, s, e), opts, out=logits)
+                ce_write_grad(logits, target[s:e], lse, scale, opts, out=logits)
                 grads.add_chunk(logits, hidden[s:e], weight, slice(s, e))
         del scratch
     if grads is not None:
         grads.finish(bias)
+
+
+def _sweep(hidden, weight, bias, target, opts: LossOptions, scale, wanted: _Wanted, chunk: int):
+    """One pass over all tokens: per-token loss and lse, plus (if `scale` is given) the
+    gradients of the loss scaled by `scale` (1 element, or one per token)."""
+    n_tokens, n_hidden = hidden.shape
+    loss = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
+    lse = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
+    grads = _Gradients(hidden, weight, bias, wanted) if scale is not None else None
+    n0 = min(n_tokens, n_hidden)
+
+    def first_block_stats(logits_t):
+        vocab_major_loss_and_lse(logits_t, target[:n0], opts, loss[:n0], lse[:n0])
+        return _rows(scale, 0, n0), lse[:n0]
+
+    def chunk_stats(s, e, logits):
+        ce_forward_stats(logits, target[s:e], opts, loss_out=loss[s:e], lse_out=lse[s:e])
+        return (_rows(scale, s, e) if grads is not None else None), lse[s:e]
+
+    _chunked_sweep(hidden, weight, bias, target, opts, grads, chunk, n0, first_block_stats, chunk_stats)
     return loss, lse, grads
 
 

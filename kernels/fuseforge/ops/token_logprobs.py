@@ -29,12 +29,11 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from fuseforge.ops._shared.loss_args import IGNORE_INDEX, check_chunk_size
-from fuseforge.ops.cross_entropy import LossOptions, ce_forward_stats, ce_write_grad, check_target
+from fuseforge.ops.cross_entropy import LossOptions, ce_forward_stats, check_target
 from fuseforge.ops.fused_linear_cross_entropy import (
     _autocast_inputs,
-    _first_block_in_grad_weight,
+    _chunked_sweep,
     _Gradients,
-    _round_rows,
     _Wanted,
     default_chunk_tokens,
     fused_linear_cross_entropy,
@@ -177,33 +176,12 @@ def _objective_sweep(hidden, weight, bias, target, opts, token_loss, wanted: _Wa
     Every chunk (and the first block) starts at a multiple of `align` tokens: token_loss then sees
     whole sequences (or groups of them) when align is their length."""
     n_tokens, n_hidden = hidden.shape
-    n_vocab = weight.shape[0]
     grads = _Gradients(hidden, weight, bias, wanted) if wanted.any else None
     stats = _ChunkStats(n_tokens, hidden.device, target, opts, token_loss, grads is not None)
-    start = 0
     first = min(n_tokens, n_hidden) // align * align
-    if grads is not None and grads.weight is not None and first > chunk:
-        slice_rows = _round_rows(max(1, chunk * n_vocab // n_hidden))
-        start = _first_block_in_grad_weight(
-            hidden, weight, bias, target, opts, grads, slice_rows, first,
-            lambda logits_t: (stats(0, first, logits_t, vocab_major=True), stats.lse[:first]),
-        )
-    if start < n_tokens:
-        scratch = hidden.new_empty(min(chunk, n_tokens - start), n_vocab)
-        for s in range(start, n_tokens, chunk):
-            e = min(n_tokens, s + chunk)
-            logits = scratch[: e - s]
-            if bias is None:
-                torch.mm(hidden[s:e], weight.t(), out=logits)
-            else:
-                torch.addmm(bias, hidden[s:e], weight.t(), out=logits)
-            scale = stats(s, e, logits)
-            if grads is not None:
-                ce_write_grad(logits, target[s:e], stats.lse[s:e], scale, opts, out=logits)
-                grads.add_chunk(logits, hidden[s:e], weight, slice(s, e))
-        del scratch
-    if grads is not None:
-        grads.finish(bias)
+    _chunked_sweep(hidden, weight, bias, target, opts, grads, chunk, first,
+                  lambda logits_t: (stats(0, first, logits_t, vocab_major=True), stats.lse[:first]),
+                  lambda s, e, logits: (stats(s, e, logits), stats.lse[s:e]))
     return stats.total, -stats.nll, grads
 
 
