@@ -5,8 +5,8 @@ import torch
 
 from ce_reference import random_targets, reference_cross_entropy, reference_lse
 from fuseforge.modules.losses import CrossEntropyLoss
+from fuseforge.ops._shared.loss_options import LossOptions
 from fuseforge.ops.cross_entropy import (
-    LossOptions,
     ce_forward_stats,
     ce_write_grad,
     cross_entropy,

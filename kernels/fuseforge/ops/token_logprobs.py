@@ -29,7 +29,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from fuseforge.ops._shared.loss_args import IGNORE_INDEX, check_chunk_size
-from fuseforge.ops.cross_entropy import LossOptions, ce_forward_stats, check_target
+from fuseforge.ops.cross_entropy import ce_forward_stats, check_target
+from fuseforge.ops._shared.loss_options import LossOptions
 from fuseforge.ops.fused_linear_cross_entropy import (
     _autocast_inputs,
     _chunked_sweep,

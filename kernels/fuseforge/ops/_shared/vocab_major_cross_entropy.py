@@ -22,7 +22,6 @@ import triton.language as tl
 
 from fuseforge.ops.cross_entropy import (
     N_STATS,
-    LossOptions,
     VocabSplitTiling,
     ce_finalize_kernel,
     finish_tile_stats,
@@ -33,6 +32,7 @@ from fuseforge.ops.cross_entropy import (
     load_target_logit,
     store_split_stats,
 )
+from fuseforge.ops._shared.loss_options import LossOptions
 from fuseforge.ops._shared.utils import is_interpreter, num_programs_hint
 
 
