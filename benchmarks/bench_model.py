@@ -37,6 +37,12 @@ PRESETS = {
     "qwen2.5-vl-7b-4l": dict(hidden_size=3584, num_hidden_layers=4, num_attention_heads=28, num_key_value_heads=4,
                              intermediate_size=18944, vocab_size=152064),
 }
+# A variant is a base, then "+"-joined modifiers, then "@<MiB>" for the fused loss's chunk:
+#   eager | liger | fuseforge | fuseforge-loss (only the fused linear cross-entropy; norms, RoPE and MLPs left to
+#   torch.compile to fuse with their neighbours)  +  compile (whole model) | compile-layers (each decoder layer, as
+#   the platform's `compile` input) | fp8 (torchao float8 linears; with compile-layers as the platform does).
+BASES = ("eager", "liger", "fuseforge", "fuseforge-loss")
+MODIFIERS = ("compile", "compile-layers", "fp8")
 VARIANTS = ("eager", "liger", "fuseforge", "compile", "fuseforge+compile", "fuseforge+fp8")
 
 
@@ -54,55 +60,60 @@ def build_model(preset: str, family: str):
                                                                         attn_implementation="sdpa")
     cfg_cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                "qwen3_moe": transformers.Qwen3MoeConfig}[family]
-    config = cfg_cls(**PRESETS[preset], max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
+    # use_cache=False, as for training (the engine does the same): no KV cache built in every forward
+    config = cfg_cls(**PRESETS[preset], max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False,
+                     use_cache=False)
     config._attn_implementation = "sdpa"
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16, attn_implementation="sdpa")
     return model
 
 
-def parse_variant(variant: str) -> tuple[str, int | None]:
-    """"fuseforge@256" -> ("fuseforge", 256): fused linear cross-entropy chunks of 256 MiB of logits."""
-    name, _, chunk_mib = variant.partition("@")
-    if name not in VARIANTS or (chunk_mib and (name != "fuseforge" or not chunk_mib.isdigit())):
-        raise argparse.ArgumentTypeError(f"unknown variant {variant!r}: one of {VARIANTS}, or fuseforge@<MiB>")
-    return name, int(chunk_mib) if chunk_mib else None
+def parse_variant(variant: str) -> tuple[str, tuple[str, ...], int | None]:
+    """"fuseforge+compile@256" -> ("fuseforge", ("compile",), 256); a bare modifier means the eager base."""
+    spec, _, chunk_mib = variant.partition("@")
+    parts = spec.split("+")
+    base = "eager" if parts[0] in MODIFIERS else parts[0]
+    modifiers = tuple(parts if parts[0] in MODIFIERS else parts[1:])
+    bad = (base not in BASES or any(m not in MODIFIERS for m in modifiers) or len(set(modifiers)) < len(modifiers)
+           or {"compile", "compile-layers"} <= set(modifiers) or (chunk_mib and not chunk_mib.isdigit())
+           or (chunk_mib and not base.startswith("fuseforge")))
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"unknown variant {variant!r}: a base of {BASES}, then +modifiers of {MODIFIERS}, then @<MiB> for fuseforge")
+    return base, modifiers, int(chunk_mib) if chunk_mib else None
 
 
 def apply_variant(model, variant: str):
     import torch
 
-    variant, chunk_mib = parse_variant(variant)
+    base, modifiers, chunk_mib = parse_variant(variant)
     if chunk_mib is not None:
         from fuseforge.ops import fused_linear_cross_entropy as flce
 
         flce.DEFAULT_CHUNK_BYTES = chunk_mib * 2**20
-    if variant == "liger":
+    notes = []
+    if base == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         _apply_liger_kernel_to_instance(model=model)
-    elif variant == "fuseforge":
+    elif base.startswith("fuseforge"):  # compiled, the fused ops run as fuseforge::* custom ops inside the graph
         from fuseforge.transformers import apply_kernels
 
-        report = apply_kernels(model)
-        model._bench_note = "fused: " + ", ".join(sorted(set(report.patched_kernels())))
-    elif variant == "compile":
-        model = torch.compile(model)
-    elif variant == "fuseforge+compile":  # the fused ops run as fuseforge::* custom ops inside the graph
-        from fuseforge.transformers import apply_kernels
-
-        report = apply_kernels(model)
-        model._bench_note = "fused: " + ", ".join(sorted(set(report.patched_kernels())))
-        model = torch.compile(model)
-    elif variant == "fuseforge+fp8":  # the platform's fp8 setting: torchao float8 linears, layers compiled
-        from fuseforge.transformers import apply_kernels
-        from fuseforge_flyte.training.compilation import compile_layers
+        only_loss = dict(rms_norm=False, layer_norm=False, rope=False, swiglu=False) if base == "fuseforge-loss" else {}
+        report = apply_kernels(model, **only_loss)
+        notes.append("fused: " + ", ".join(sorted(set(report.patched_kernels()))))
+    if "fp8" in modifiers:
         from fuseforge_flyte.training.fp8 import convert_to_fp8
 
-        report = apply_kernels(model)
-        converted = convert_to_fp8(model)
-        compile_layers(model)
-        model._bench_note = f"fused: {', '.join(sorted(set(report.patched_kernels())))}; fp8 linears: {len(converted)}"
+        notes.append(f"fp8 linears: {len(convert_to_fp8(model))}")
+    if "compile" in modifiers:
+        model = torch.compile(model)
+    elif "compile-layers" in modifiers or "fp8" in modifiers:  # fp8 needs compiled casts to pay off
+        from fuseforge_flyte.training.compilation import compile_layers
+
+        notes.append(f"compiled layers: {compile_layers(model)}")
+    model._bench_note = "; ".join(notes)
     return model
 
 
@@ -148,8 +159,17 @@ def worker(args) -> dict:
         "tokens_per_s": args.batch * args.seq / median,
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "first_loss": losses[0],
+        "dynamo": dynamo_stats(),
         "last_loss": losses[-1],
     }
+
+
+def dynamo_stats() -> dict:
+    """torch.compile's frame and graph counts: more graphs than expected means recompiles (or breaks)."""
+    from torch._dynamo.utils import counters
+
+    return {"stats": dict(counters["stats"]), "graph_break": sum(counters["graph_break"].values()),
+            "recompiles": sum(v for k, v in counters["recompiles"].items())} if counters else {}
 
 
 def print_kernel_profile(model, opt, ids, variant: str, steps: int = 2, rows: int = 25) -> None:
@@ -200,7 +220,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--grad-ckpt", action="store_true")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"of {VARIANTS}; fuseforge@<MiB> sets the loss chunk")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"e.g. {VARIANTS}, fuseforge-loss+compile, fuseforge+compile-layers; @<MiB> sets the loss chunk")
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--profile", action="store_true", help="print each variant's top GPU kernels (torch.profiler)")
     p.add_argument("--json")
@@ -230,7 +250,8 @@ def main(argv=None) -> int:
         xe = f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}" if base else "-"
         xl = f"{r['tokens_per_s'] / liger['tokens_per_s']:.2f}" if liger else "-"
         print(f"| {r['variant']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.0f} | {xe} | {xl} | {r['peak_gib']:.2f} | "
-              f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |" + (f" {r['note']}" if r.get("note") else ""))
+              f"{r['first_loss']:.3f} -> {r['last_loss']:.3f} |" + (f" {r['note']}" if r.get("note") else "")
+              + (f" dynamo {r['dynamo']}" if r.get("dynamo", {}).get("stats") else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)

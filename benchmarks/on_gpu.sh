@@ -94,6 +94,15 @@ mc = torch.compile(m); mc(x).float().sum().backward(); print('compiled ok')" ;;
             run_step "engine-1b-plan-$1$2" python3 -m fuseforge_flyte.training --model llama-1b --dataset bench:synthetic \
             --steps 40 --batch-size 4 --seq-len 2048 --dtype bf16 --kernels --plan $1 $2 --output "$OUT/engine-$1$2.json"; done ;;
         compile-check) STEP_TIMEOUT=300 run_step "$step" python3 benchmarks/compile_check.py ;;
+        model-1b-compile) STEP_TIMEOUT=560 run_step "$step" python3 benchmarks/bench_model.py --variants liger fuseforge \
+            fuseforge+compile fuseforge-loss+compile fuseforge+compile-layers fuseforge-loss+compile-layers \
+            --json "$OUT/model-1b-compile.json" ;;
+        model-8b-fp8) STEP_TIMEOUT=560 run_step "$step" python3 benchmarks/bench_model.py --preset llama3-8b --batch 2 \
+            --seq 4096 --variants liger fuseforge fuseforge-loss+compile-layers fuseforge+fp8 fuseforge-loss+fp8 \
+            --json "$OUT/model-8b-fp8.json" ;;
+        engine-1b-compile) STEP_TIMEOUT=200 run_step "$step" python3 -m fuseforge_flyte.training --model llama-1b \
+            --dataset bench:synthetic --steps 40 --batch-size 4 --seq-len 2048 --dtype bf16 --kernels --plan off --compile \
+            --output "$OUT/engine-1b-compile.json" ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done

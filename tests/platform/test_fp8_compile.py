@@ -192,6 +192,22 @@ def test_compiled_run_gives_the_eager_losses(monkeypatch, extra):
     assert compiled.loss_curve == eager.loss_curve  # aot_eager runs the same aten ops: bitwise
 
 
+def test_every_layer_shares_one_graph_even_with_a_kv_cache_configured(monkeypatch):
+    """More layers than dynamo's recompile limit: a KV cache would make each layer recompile (guarding on its
+    index) until the limit and run the rest eagerly; compile_layers turns the cache off."""
+    from fuseforge_flyte.training.compilation import compile_layers
+
+    counters = _compiled(monkeypatch)
+    layers = torch._dynamo.config.recompile_limit + 2
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=64, use_cache=True)
+    model = transformers.LlamaForCausalLM(config).train()
+    assert compile_layers(model) == layers and model.config.use_cache is False
+    ids = torch.randint(0, 64, (2, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+
+
 def test_compiled_run_resumes_and_exports_with_plain_names(monkeypatch, tmp_path):
     from safetensors.torch import load_file
 

@@ -8,6 +8,8 @@ Why per layer rather than the whole model:
 - activation checkpointing (transformers checkpoints each layer's forward) runs inside the layer's
   compiled call, which torch.compile supports for non-reentrant checkpoints; a graph break inside a
   checkpointed layer makes torch.compile run that layer eagerly (still correct, just not faster);
+- the model's KV cache is turned off (`use_cache=False`, as the engine builds models for training): with it
+  every layer would compile its own graph;
 - the fused loss head and the embeddings stay eager: they run once per step and the fused loss
   computes its own chunked gradient.
 `Module.compile()` compiles in place, so the parameter names stay the plain transformers names (no
@@ -39,6 +41,11 @@ def compile_backend() -> str:
 def compile_layers(model: torch.nn.Module, *, log_it: bool = False) -> int:
     """Compile each decoder layer of `model` in place; how many were compiled."""
     layers = decoder_layers(model, "compile")
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        # A KV cache in training is never read, and each layer's update of it makes the shared graph guard on
+        # the layer's index: one recompile per layer up to dynamo's limit (8), then the rest run eagerly.
+        config.use_cache = False
     backend = compile_backend()
     for layer in layers:
         layer.compile(backend=backend)
