@@ -103,6 +103,8 @@ mc = torch.compile(m); mc(x).float().sum().backward(); print('compiled ok')" ;;
         engine-1b-compile) STEP_TIMEOUT=200 run_step "$step" python3 -m fuseforge_flyte.training --model llama-1b \
             --dataset bench:synthetic --steps 40 --batch-size 4 --seq-len 2048 --dtype bf16 --kernels --plan off --compile \
             --output "$OUT/engine-1b-compile.json" ;;
+        plan-llama8b-fp8) STEP_TIMEOUT=590 TAIL=40 run_step "$step" python3 benchmarks/plan_llama8b.py --probe-seconds 40 \
+            --variants liger fuseforge+fp8 fuseforge-loss+compile-layers --json "$OUT/plan-llama8b-fp8.json" ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done
