@@ -249,3 +249,71 @@ def test_resolved_config_round_trips_and_wins(tmp_path):
     broken["cluster"]["gpus"] = "x"
     with pytest.raises(ConfigError, match=f"^{RESOLVED_CONFIG_ENV}: \\[cluster\\].gpus must be"):
         load_config(env={RESOLVED_CONFIG_ENV: json.dumps(broken)})
+
+
+def test_env_override_values_are_toml_and_their_errors_name_the_variable(tmp_path):
+    """FUSEFORGE__ variables hold TOML values (arrays of inline tables too); a bad value inside one is
+    reported at its key path, naming the variable."""
+    path = write(tmp_path, REQUIRED)
+    tolerations = '[{ key = "dedicated", operator = "Equal", value = "ml", effect = "NoExecute", toleration_seconds = 30 }]'
+    config = load_config(path, env={"FUSEFORGE__CLUSTER__TOLERATIONS": tolerations})
+    assert config.cluster.tolerations == (Toleration("dedicated", "Equal", "ml", "NoExecute", 30),)
+    bad = error_of(path, {"FUSEFORGE__CLUSTER__TOLERATIONS": '[{ key = "a" }, { operator = "Sometimes" }]'})
+    assert bad == ('environment variable FUSEFORGE__CLUSTER__TOLERATIONS: [cluster].tolerations[1].operator '
+                   'must be one of "Exists", "Equal", got "Sometimes"')
+
+
+def test_env_override_names_are_case_insensitive_and_errors_use_the_name_as_set(tmp_path):
+    path = write(tmp_path, REQUIRED)
+    assert load_config(path, env={"fuseforge__Cluster__GPUS": "2"}).cluster.gpus == 2
+    assert error_of(path, {"fuseforge__cluster__gpus": "two"}) == (
+        'environment variable fuseforge__cluster__gpus: [cluster].gpus must be an integer >= 0, got "two"')
+
+
+def test_env_override_of_an_unknown_section_or_a_nested_key_is_an_error(tmp_path):
+    path = write(tmp_path, REQUIRED)
+    assert error_of(path, {"FUSEFORGE__CLUSTR__GPUS": "1"}).startswith(
+        "environment variable FUSEFORGE__CLUSTR__GPUS: unknown section [clustr] (known sections: ")
+    assert error_of(path, {"FUSEFORGE__CLUSTR__GPUS": "1"}).endswith('did you mean "cluster"?')
+    # a key is one name after its section: no deeper nesting into tables
+    nested = error_of(path, {"FUSEFORGE__CLUSTER__NODE_SELECTOR__POOL": "h200"})
+    assert nested.startswith("environment variable FUSEFORGE__CLUSTER__NODE_SELECTOR__POOL: unknown key "
+                             "[cluster].node_selector__pool (known keys: gpus, "), nested
+    assert "expected FUSEFORGE__<SECTION>__<KEY>" in error_of(path, {"FUSEFORGE__CLUSTER": "{ gpus = 1 }"})
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ("[training]\nkernels = 1", "[training].kernels must be true or false, got 1"),
+        ("[training]\nlr = true", "[training].lr must be a number, got true"),
+        ("[training]\nmodel = 1", "[training].model must be a string, got 1"),
+        ("[cluster]\ncpu = 4.5", '[cluster].cpu must be a Kubernetes quantity such as "32" or "500m", got 4.5'),
+        ("[cluster]\ncpu = true", '[cluster].cpu must be a Kubernetes quantity such as "32" or "500m", got true'),
+        ('[cluster]\ntolerations = [{ toleration_seconds = "30" }]', '[cluster].tolerations[0].toleration_seconds must be an integer >= 0, got "30"'),
+        ('[cluster]\ntolerations = [3]', "[cluster].tolerations[0] must be a table, got 3"),
+        ('[cluster]\ntolerations = "x"', '[cluster].tolerations must be a list of tables, got "x"'),
+        # per table, an unknown key is reported before a bad value, and list items in order
+        ('[cluster]\ngpus = "two"\ngpu = 3', "unknown key [cluster].gpu"),
+        ('[cluster]\ntolerations = [{ effect = "x" }, { key = "a", b = 1 }]', "[cluster].tolerations[0].effect must be one of"),
+    ],
+)
+def test_types_are_strict_and_the_first_problem_is_reported(tmp_path, body, expected):
+    path = write(tmp_path, REQUIRED + body)
+    message = error_of(path)
+    assert message.startswith(f"{path}: ") and expected in message, message
+
+
+def test_a_section_of_the_file_is_reported_before_a_missing_section(tmp_path):
+    path = write(tmp_path, '[elastic]\nnnodes = 0\n[flyte]\nproject = "p"\ndomain = "d"')
+    assert error_of(path) == f"{path}: [elastic].nnodes must be an integer >= 1, got 0"
+
+
+def test_decorator_tolerations_may_be_toleration_objects():
+    from fuseforge_flyte.user_task import resolve_config
+
+    config = resolve_config(load_config(REPO / "platform.toml", env={}),
+                            {"tolerations": [Toleration("dedicated", "Equal", "ml", "NoExecute")]})
+    assert config.cluster.tolerations == (Toleration(key="dedicated", operator="Equal", value="ml", effect="NoExecute"),)
+    assert config.to_dict()["cluster"]["tolerations"] == [
+        {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoExecute"}]

@@ -1,4 +1,4 @@
-"""platform.toml: the one config file of the platform, loaded into typed, frozen dataclasses.
+"""platform.toml: the one config file of the platform, loaded into typed, frozen pydantic models.
 
 Where the configuration comes from (first match wins):
 
@@ -10,11 +10,13 @@ Where the configuration comes from (first match wins):
 4. Built-in defaults (the same values as the repository's platform.toml).
 
 Then single keys are overridden by environment variables ``FUSEFORGE__<SECTION>__<KEY>=<value>``
-(e.g. ``FUSEFORGE__CLUSTER__GPUS=4``; the value is read as a TOML value, so lists and inline tables
-work, and as a plain string for string keys), and by ``--set section.key=value`` on the CLI.
+(pydantic-settings' nested variables, names case-insensitive; e.g. ``FUSEFORGE__CLUSTER__GPUS=4``; the
+value is read as a TOML value, so lists and inline tables work, and as a plain string for string keys),
+and by ``--set section.key=value`` on the CLI.
 
 Every problem (unknown key, wrong type, bad value, missing required key) is a ``ConfigError`` naming
-the file (or variable) and the key path, e.g. ``platform.toml: [cluster].gpus must be an integer >= 0, got "two"``.
+the file (or variable) and the key path, e.g. ``platform.toml: [cluster].gpus must be an integer >= 0, got "two"``;
+pydantic's ValidationError is translated into it, never shown as is.
 """
 
 from __future__ import annotations
@@ -26,9 +28,13 @@ import json
 import os
 import re
 import typing
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Mapping, NewType, Optional, Tuple
+from typing import Annotated, Any, Dict, Literal, Mapping, Optional, Tuple
+
+import annotated_types
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, StringConstraints, ValidationError, create_model
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 try:
     import tomllib
@@ -42,163 +48,144 @@ CONFIG_PATH_ENV = "FUSEFORGE_CONFIG"
 RESOLVED_CONFIG_ENV = "FUSEFORGE_RESOLVED_CONFIG"
 OVERRIDE_ENV_PREFIX = "FUSEFORGE__"
 
-# A Kubernetes resource quantity ("16", "500m", "64Gi"); TOML integers are accepted and kept as strings.
-Quantity = NewType("Quantity", str)
-_QUANTITY_RE = re.compile(r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")
-_REGISTRY_RE = re.compile(r"^(localhost:\d{1,5}|[a-z\d._-]+(:\d{1,5})?)(/[\w.-]+)*$")
-_IMAGE_NAME_RE = re.compile(r"^[a-z0-9]+([._/-][a-z0-9]+)*$")
-_TAG_RE = re.compile(r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$")
-_URL_RE = re.compile(r"^(https?://\S+)?$")
+_QUANTITY = r"[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?"
+_REGISTRY = r"^(localhost:\d{1,5}|[a-z\d._-]+(:\d{1,5})?)(/[\w.-]+)*$"
+_IMAGE_NAME = r"^[a-z0-9]+([._/-][a-z0-9]+)*$"
+_TAG = r"^([A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?$"
+_URL = r"^(https?://\S+)?$"
+_NONEMPTY = r"^\s*\S"
 
 
 class ConfigError(ValueError):
     """A bad platform configuration; the message names the source file/variable and the key."""
 
 
-def _setting(default: Any = MISSING, *, desc: str | None = None, check: Callable[[Any], bool] | None = None):
-    """A config field: `desc` completes "must be ..." in error messages, `check` validates the value."""
-    meta = {"desc": desc, "check": check}
-    if isinstance(default, dict):
-        return field(default_factory=lambda: dict(default), metadata=meta)
-    return field(default=default, metadata=meta)
+def _int_as_text(value: Any) -> Any:
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-def _one_of(*choices: Any) -> dict:
-    shown = ", ".join(json.dumps(c) for c in choices)
-    return {"desc": f"one of {shown}", "check": lambda v: v in choices}
+_INT_AS_TEXT = BeforeValidator(_int_as_text)
+# A Kubernetes resource quantity ("16", "500m", "64Gi"); TOML integers are accepted and kept as strings.
+Quantity = Annotated[str, _INT_AS_TEXT, StringConstraints(pattern=f"^{_QUANTITY}$")]
+# TOML arrays arrive as lists: only the container is lax, its items stay strict.
+_List = Strict(False)
 
 
-def _at_least(low: int) -> dict:
-    return {"desc": f"an integer >= {low}", "check": lambda v: v >= low}
+class _Section(BaseModel):
+    """A platform.toml table. Strict, so that `gpus = "2"` or `gpus = true` is an error, not a guess;
+    a field's `description` completes "must be ..." in error messages."""
+
+    # python-re: the patterns keep Python's regex semantics, as when they were checked with re.match
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid", regex_engine="python-re")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Positional arguments in field order too, as the dataclasses these were took them."""
+        names = list(type(self).model_fields)
+        if len(args) > len(names):
+            raise TypeError(f"{type(self).__name__} takes at most {len(names)} positional arguments")
+        super().__init__(**dict(zip(names, args)), **kwargs)
 
 
-_NONEMPTY = {"desc": "a non-empty string", "check": lambda v: bool(v.strip())}
-
-
-@dataclass(frozen=True)
-class ImageConfig:
+class ImageConfig(_Section):
     """The training image (built by flytekit's ImageSpec, or images/Dockerfile)."""
 
-    registry: str = _setting(
-        desc='a container registry such as "ghcr.io/acme" or "localhost:30000"',
-        check=lambda v: bool(_REGISTRY_RE.match(v)),
+    registry: str = Field(pattern=_REGISTRY, description='a container registry such as "ghcr.io/acme" or "localhost:30000"')
+    name: str = Field("fuseforge", pattern=_IMAGE_NAME, description="a lowercase image name")
+    tag: str = Field("", pattern=_TAG, description='a Docker tag ("" = content hash of the sources and image settings)')
+    base_image: str = Field("nvidia/cuda:13.0.2-cudnn-runtime-ubuntu24.04", pattern=_NONEMPTY, description="a non-empty string")
+    python_version: str = Field("3.12", pattern=r"^3\.\d+$", description='a Python version such as "3.12"')
+    torch: str = Field("torch==2.11.0", pattern="^torch", description="a pip requirement for torch")
+    torch_index_url: str = Field(
+        "https://download.pytorch.org/whl/cu130", pattern=_URL, description='an http(s) URL of a wheel index ("" = PyPI)'
     )
-    name: str = _setting(
-        "fuseforge", desc="a lowercase image name", check=lambda v: bool(_IMAGE_NAME_RE.match(v))
-    )
-    tag: str = _setting(
-        "", desc='a Docker tag ("" = content hash of the sources and image settings)',
-        check=lambda v: bool(_TAG_RE.match(v)),
-    )
-    base_image: str = _setting("nvidia/cuda:13.0.2-cudnn-runtime-ubuntu24.04", **_NONEMPTY)
-    python_version: str = _setting(
-        "3.12", desc='a Python version such as "3.12"', check=lambda v: bool(re.match(r"^3\.\d+$", v))
-    )
-    torch: str = _setting("torch==2.11.0", desc="a pip requirement for torch", check=lambda v: v.startswith("torch"))
-    torch_index_url: str = _setting(
-        "https://download.pytorch.org/whl/cu130",
-        desc='an http(s) URL of a wheel index ("" = PyPI)',
-        check=lambda v: bool(_URL_RE.match(v)),
-    )
-    fuseforge: str = _setting(
-        "checkout", desc='"checkout" or a pip requirement for fuseforge', check=lambda v: bool(v.strip())
-    )
-    extras: Tuple[str, ...] = _setting(("hf", "platform", "deepspeed", "posttrain", "fp8"))
-    extra_packages: Tuple[str, ...] = _setting(())
-    apt_packages: Tuple[str, ...] = _setting(("build-essential",))
-    platform: str = _setting("linux/amd64", **_NONEMPTY)
+    fuseforge: str = Field("checkout", pattern=_NONEMPTY, description='"checkout" or a pip requirement for fuseforge')
+    extras: Annotated[Tuple[str, ...], _List] = ("hf", "platform", "deepspeed", "posttrain", "fp8")
+    extra_packages: Annotated[Tuple[str, ...], _List] = ()
+    apt_packages: Annotated[Tuple[str, ...], _List] = ("build-essential",)
+    platform: str = Field("linux/amd64", pattern=_NONEMPTY, description="a non-empty string")
 
 
-@dataclass(frozen=True)
-class Toleration:
+class Toleration(_Section):
     """One Kubernetes toleration of the training pods."""
 
-    key: str = _setting("")
-    operator: str = _setting("Exists", **_one_of("Exists", "Equal"))
-    value: str = _setting("")
-    effect: str = _setting("", **_one_of("", "NoSchedule", "PreferNoSchedule", "NoExecute"))
-    toleration_seconds: Optional[int] = _setting(None, **_at_least(0))
+    key: str = ""
+    operator: Literal["Exists", "Equal"] = "Exists"
+    value: str = ""
+    effect: Literal["", "NoSchedule", "PreferNoSchedule", "NoExecute"] = ""
+    toleration_seconds: Optional[int] = Field(None, ge=0)
 
 
-@dataclass(frozen=True)
-class ClusterConfig:
+class ClusterConfig(_Section):
     """What one training pod (one node's worth of workers) asks Kubernetes for."""
 
-    gpus: int = _setting(8, **_at_least(0))
-    accelerator: str = _setting("")  # flytekit GPUAccelerator name, e.g. "nvidia-h200"; "" = any GPU
-    cpu: Quantity = _setting("32", desc='a Kubernetes quantity such as "32" or "500m"')
-    memory: Quantity = _setting("256Gi", desc='a Kubernetes quantity such as "256Gi"')
-    shared_memory: str = _setting(
-        "64Gi",
-        desc='a Kubernetes quantity such as "64Gi" ("" = no memory-backed /dev/shm)',
-        check=lambda v: v == "" or bool(_QUANTITY_RE.match(v)),
+    gpus: int = Field(8, ge=0)
+    accelerator: str = ""  # flytekit GPUAccelerator name, e.g. "nvidia-h200"; "" = any GPU
+    cpu: Quantity = Field("32", description='a Kubernetes quantity such as "32" or "500m"')
+    memory: Quantity = Field("256Gi", description='a Kubernetes quantity such as "256Gi"')
+    shared_memory: str = Field(
+        "64Gi", pattern=f"^({_QUANTITY})?$",
+        description='a Kubernetes quantity such as "64Gi" ("" = no memory-backed /dev/shm)',
     )
-    node_selector: Dict[str, str] = _setting({})
-    tolerations: Tuple[Toleration, ...] = _setting(
-        (Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule"),)
+    node_selector: Dict[str, str] = {}
+    tolerations: Annotated[Tuple[Toleration, ...], _List] = (
+        Toleration(key="nvidia.com/gpu", operator="Exists", effect="NoSchedule"),
     )
-    pod_template_name: str = _setting("")
+    pod_template_name: str = ""
 
 
-@dataclass(frozen=True)
-class FlyteConfig:
+class FlyteConfig(_Section):
     """Where workflows are registered."""
 
-    project: str = _setting(**_NONEMPTY)
-    domain: str = _setting(**_NONEMPTY)
-    endpoint: str = _setting("")  # e.g. "dns:///flyte.example.com"; "" = flytectl/pyflyte config
-    insecure: bool = _setting(False)
-    retries: int = _setting(0, **_at_least(0))
+    project: str = Field(pattern=_NONEMPTY, description="a non-empty string")
+    domain: str = Field(pattern=_NONEMPTY, description="a non-empty string")
+    endpoint: str = ""  # e.g. "dns:///flyte.example.com"; "" = flytectl/pyflyte config
+    insecure: bool = False
+    retries: int = Field(0, ge=0)
 
 
-@dataclass(frozen=True)
-class ElasticConfig:
+class ElasticConfig(_Section):
     """torch elastic launch settings (nnodes > 1 makes the task a Kubeflow PyTorchJob)."""
 
-    nnodes: int = _setting(1, **_at_least(1))
+    nnodes: int = Field(1, ge=1)
     # 0 = one worker per GPU: [cluster].gpus (1 without GPUs), resolved when the config is loaded.
-    nproc_per_node: int = _setting(
-        0, desc="an integer >= 0 (0 = one per GPU, i.e. [cluster].gpus)", check=lambda v: v >= 0
-    )
-    local_nproc_per_node: int = _setting(2, **_at_least(1))  # workers for local runs (capped at the GPU count)
-    max_restarts: int = _setting(2, **_at_least(0))
-    start_method: str = _setting("spawn", **_one_of("spawn", "fork"))
-    monitor_interval: int = _setting(5, **_at_least(1))
-    rdzv_timeout: int = _setting(900, **_at_least(1))
-    rdzv_join_timeout: int = _setting(900, **_at_least(1))
-    rdzv_read_timeout: int = _setting(900, **_at_least(1))
+    nproc_per_node: int = Field(0, ge=0, description="an integer >= 0 (0 = one per GPU, i.e. [cluster].gpus)")
+    local_nproc_per_node: int = Field(2, ge=1)  # workers for local runs (capped at the GPU count)
+    max_restarts: int = Field(2, ge=0)
+    start_method: Literal["spawn", "fork"] = "spawn"
+    monitor_interval: int = Field(5, ge=1)
+    rdzv_timeout: int = Field(900, ge=1)
+    rdzv_join_timeout: int = Field(900, ge=1)
+    rdzv_read_timeout: int = Field(900, ge=1)
 
 
-@dataclass(frozen=True)
-class CheckpointConfig:
+class CheckpointConfig(_Section):
     """Where and how often training checkpoints are written (maps to TrainSpec.checkpoint_*)."""
 
-    dir: str = _setting("")  # local dir or fsspec URI; "": the task's own Flyte checkpoint on a cluster; "off": none
-    every: int = _setting(0, **_at_least(0))
-    keep_last: int = _setting(2, **_at_least(1))
+    dir: str = ""  # local dir or fsspec URI; "": the task's own Flyte checkpoint on a cluster; "off": none
+    every: int = Field(0, ge=0)
+    keep_last: int = Field(2, ge=1)
 
 
-@dataclass(frozen=True)
-class DataConfig:
+class DataConfig(_Section):
     """The CPU pod that prepares data (tokenize, mask, pack, write shards) before any GPU is asked for."""
 
-    cpu: Quantity = _setting("4", desc='a Kubernetes quantity such as "4" or "500m"')
-    memory: Quantity = _setting("16Gi", desc='a Kubernetes quantity such as "16Gi"')
+    cpu: Quantity = Field("4", description='a Kubernetes quantity such as "4" or "500m"')
+    memory: Quantity = Field("16Gi", description='a Kubernetes quantity such as "16Gi"')
 
 
-@dataclass(frozen=True)
-class TrackingConfig:
+class TrackingConfig(_Section):
     """Optional experiment tracking of the training metrics (rank 0 only); off by default.
 
     Secrets never live here: W&B reads WANDB_API_KEY from the environment.
     """
 
-    backend: str = _setting("", **_one_of("", "tensorboard", "wandb"))  # "": off
-    project: str = _setting("fuseforge", **_NONEMPTY)  # W&B project
-    entity: str = _setting("")  # W&B team or user; "": the API key's default entity
-    run_name: str = _setting("")  # "": <model>-<UTC time>
-    log_dir: str = _setting("runs", **_NONEMPTY)  # TensorBoard: local dir or fsspec URI, events in <log_dir>/<run_name>
-    mode: str = _setting("online", **_one_of("online", "offline"))  # W&B: offline writes ./wandb, sync later
+    backend: Literal["", "tensorboard", "wandb"] = ""  # "": off
+    project: str = Field("fuseforge", pattern=_NONEMPTY, description="a non-empty string")  # W&B project
+    entity: str = ""  # W&B team or user; "": the API key's default entity
+    run_name: str = ""  # "": <model>-<UTC time>
+    # TensorBoard: local dir or fsspec URI, events in <log_dir>/<run_name>
+    log_dir: str = Field("runs", pattern=_NONEMPTY, description="a non-empty string")
+    mode: Literal["online", "offline"] = "online"  # W&B: offline writes ./wandb, sync later
 
 
 # TrainSpec fields that platform.toml sets in [checkpoint] rather than [training].
@@ -206,30 +193,32 @@ _CHECKPOINT_FIELDS = {"checkpoint_dir": "dir", "checkpoint_every": "every", "kee
 # TrainSpec fields that are per run, never platform defaults (the task chooses where the model goes).
 _PER_RUN_FIELDS = {"output_dir"}
 
+
 def _training_defaults_class() -> type:
     """[training] mirrors TrainSpec (minus the checkpoint fields), so the two cannot drift apart.
 
     Types are checked here; values by TrainSpec.validate(), the engine's own rules (see _check_training).
     """
     hints = typing.get_type_hints(TrainSpec)
-    specs = []
-    for f in fields(TrainSpec):
+    specs: Dict[str, Any] = {}
+    for f in dataclasses.fields(TrainSpec):
         if f.name in _CHECKPOINT_FIELDS or f.name in _PER_RUN_FIELDS:
             continue
-        default = field(default=f.default) if f.default is not MISSING else field(default_factory=f.default_factory)
-        specs.append((f.name, hints[f.name], default))
-    cls = dataclasses.make_dataclass("TrainingDefaults", specs, frozen=True)
-    cls.__module__ = __name__
-    cls.__doc__ = "Defaults for TrainSpec fields: the workflows' input defaults."
-    return cls
+        default = f.default if f.default is not dataclasses.MISSING else Field(default_factory=f.default_factory)
+        specs[f.name] = (hints[f.name], default)
+    return create_model(
+        "TrainingDefaults", __base__=_Section, __module__=__name__,
+        __doc__="Defaults for TrainSpec fields: the workflows' input defaults.", **specs,
+    )
 
 
 TrainingDefaults = _training_defaults_class()
 
 
-@dataclass(frozen=True)
-class PlatformConfig:
+class PlatformConfig(BaseModel):
     """The whole platform.toml, validated; one attribute per section."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     image: ImageConfig
     cluster: ClusterConfig
@@ -239,11 +228,16 @@ class PlatformConfig:
     checkpoint: CheckpointConfig
     data: DataConfig = DataConfig()
     tracking: TrackingConfig = TrackingConfig()
-    source: str = field(default="built-in defaults", compare=False)  # where it was read from, for messages
+    source: str = "built-in defaults"  # where it was read from, for messages; not part of equality
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PlatformConfig):
+            return NotImplemented
+        return all(getattr(self, name) == getattr(other, name) for name in _SECTIONS)
 
     def train_spec(self, **overrides: Any) -> TrainSpec:
         """A TrainSpec with this config's defaults, then `overrides` applied."""
-        values = dataclasses.asdict(self.training)
+        values = self.training.model_dump()
         values.update(
             checkpoint_dir=self.checkpoint.dir,
             checkpoint_every=self.checkpoint.every,
@@ -254,32 +248,13 @@ class PlatformConfig:
 
     def to_dict(self) -> dict:
         """The config as TOML-shaped plain data (tables, lists, scalars); None values are left out."""
-
-        def plain(value: Any) -> Any:
-            if is_dataclass(value):
-                return {f.name: plain(getattr(value, f.name)) for f in fields(value) if getattr(value, f.name) is not None}
-            if isinstance(value, (tuple, list)):
-                return [plain(v) for v in value]
-            if isinstance(value, dict):
-                return {k: plain(v) for k, v in value.items()}
-            return value
-
-        return {name: plain(getattr(self, name)) for name in _SECTIONS}
+        return self.model_dump(mode="json", exclude_none=True, exclude={"source"})
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
 
-_SECTIONS: Dict[str, type] = {
-    "image": ImageConfig,
-    "cluster": ClusterConfig,
-    "flyte": FlyteConfig,
-    "elastic": ElasticConfig,
-    "training": TrainingDefaults,
-    "checkpoint": CheckpointConfig,
-    "data": DataConfig,
-    "tracking": TrackingConfig,
-}
+_SECTIONS: Dict[str, type] = {name: info.annotation for name, info in PlatformConfig.model_fields.items() if name != "source"}
 
 # Values for the required keys when no config file exists at all (the repo's platform.toml has the same).
 _BUILTIN_REQUIRED = {
@@ -298,36 +273,60 @@ def _show(value: Any) -> str:
         return repr(value)
 
 
-def _type_desc(tp: Any) -> str:
-    tp = _unwrap_optional(tp)
+def _suggest(name: str, known: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f'; did you mean "{close[0]}"?' if close else ""
+
+
+def _bare(tp: Any) -> Tuple[Any, list]:
+    """`tp` without Optional and Annotated, and the Annotated metadata."""
+    if typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            tp = args[0]
+    if typing.get_origin(tp) is Annotated:
+        return tp.__origin__, list(tp.__metadata__)
+    return tp, []
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+def _expected(tp: Any, info: Optional[FieldInfo]) -> str:
+    """What completes "must be ...": the field's description, else said from its type."""
+    if info is not None and info.description:
+        return info.description
+    tp, metadata = _bare(tp)
+    metadata += list(info.metadata) if info is not None else []
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(json.dumps(c) for c in typing.get_args(tp))
     if tp is bool:
         return "true or false"
     if tp is int:
-        return "an integer"
+        lows = [m.ge for m in metadata if isinstance(m, annotated_types.Ge)]
+        return "an integer" + (f" >= {lows[0]}" if lows else "")
     if tp is float:
         return "a number"
-    if tp in (str, Quantity):
+    if tp is str:
         return "a string"
-    origin = typing.get_origin(tp)
     if origin in (tuple, list):
-        (elem,) = typing.get_args(tp)[:1]
-        return "a list of tables" if is_dataclass(elem) else f"a list of {_type_desc(elem).split(' ', 1)[1]}s"
+        elem = _bare(typing.get_args(tp)[0])[0]
+        return "a list of tables" if _is_model(elem) else f"a list of {_expected(elem, None).split(' ', 1)[1]}s"
     if origin is dict:
         return "a table of strings"
     return "a table"
 
 
-def _unwrap_optional(tp: Any) -> Any:
-    if typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return tp
-
-
-def _suggest(name: str, known: typing.Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(known), n=1)
-    return f'; did you mean "{close[0]}"?' if close else ""
+def _is_text(info: Optional[FieldInfo]) -> bool:
+    """A string key (its override is taken as is), as opposed to one whose override is read as TOML."""
+    if info is None:  # unknown keys: the error shows the text given
+        return True
+    tp, _ = _bare(info.annotation)
+    if typing.get_origin(tp) is Literal:
+        return all(isinstance(choice, str) for choice in typing.get_args(tp))
+    return tp is str and _INT_AS_TEXT not in info.metadata
 
 
 class _Sources:
@@ -344,71 +343,55 @@ class _Sources:
         return self.default
 
 
-def _coerce(tp: Any, value: Any, where: str, sources: _Sources, meta: Mapping[str, Any]) -> Any:
-    desc = meta.get("desc") or _type_desc(tp)
+def _walk(loc: Tuple[Any, ...]) -> Tuple[list, str, Any, Optional[FieldInfo], Tuple[Any, ...]]:
+    """Follow a pydantic error location through the section types.
 
-    def fail() -> typing.NoReturn:
-        raise ConfigError(f"{sources.of(where)}: {where} must be {desc}, got {_show(value)}")
-
-    optional = _unwrap_optional(tp) is not tp
-    tp = _unwrap_optional(tp)
-    if value is None and optional:
-        return None
-    origin = typing.get_origin(tp)
-    if tp is bool:
-        if not isinstance(value, bool):
-            fail()
-    elif tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            fail()
-    elif tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            fail()
-        value = float(value)
-    elif tp is Quantity:
-        if isinstance(value, bool) or not isinstance(value, (str, int)) or not _QUANTITY_RE.match(str(value)):
-            fail()
-        value = str(value)
-    elif tp is str:
-        if not isinstance(value, str):
-            fail()
-    elif origin in (tuple, list):
-        elem = typing.get_args(tp)[0]
-        if not isinstance(value, (list, tuple)):
-            fail()
-        value = origin(_coerce(elem, v, f"{where}[{i}]", sources, {}) for i, v in enumerate(value))
-    elif origin is dict:
-        if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-            fail()
-        value = dict(value)
-    elif is_dataclass(tp):
-        if not isinstance(value, dict):
-            fail()
-        return _build(tp, value, where, sources)
-    check = meta.get("check")
-    if check is not None and not check(value):
-        fail()
-    return value
+    Returns a sort key (per table: unknown keys first, then the keys in field order; list items in order),
+    the key path, the type and field reached, and the part of `loc` followed (a table of strings is
+    reported whole)."""
+    tp: Any = _SECTIONS[loc[0]]
+    info: Optional[FieldInfo] = None
+    where, rank, followed = f"[{loc[0]}]", [], loc[:1]
+    for part in loc[1:]:
+        if _is_model(tp):
+            if part not in tp.model_fields:
+                rank.append((0,))
+                break
+            rank.append((1, list(tp.model_fields).index(part)))
+            info = tp.model_fields[part]
+            where, tp = f"{where}.{part}", info.annotation
+        elif typing.get_origin(_bare(tp)[0]) in (tuple, list):
+            rank.append((part,))
+            where, tp, info = f"{where}[{part}]", typing.get_args(_bare(tp)[0])[0], None
+        else:
+            break
+        followed += (part,)
+    return rank, where, tp, info, followed
 
 
-def _build(cls: type, table: Mapping[str, Any], where: str, sources: _Sources) -> Any:
-    hints = typing.get_type_hints(cls)
-    known = [f.name for f in fields(cls)]
-    for key in table:
-        if key not in known:
-            raise ConfigError(
-                f"{sources.of(f'{where}.{key}')}: unknown key {where}.{key} "
-                f"(known keys: {', '.join(known)}){_suggest(key, known)}"
-            )
-    kwargs = {}
-    for f in fields(cls):
-        key_path = f"{where}.{f.name}"
-        if f.name in table:
-            kwargs[f.name] = _coerce(hints[f.name], table[f.name], key_path, sources, f.metadata)
-        elif f.default is MISSING and f.default_factory is MISSING:
-            what = f" ({f.metadata['desc']})" if f.metadata.get("desc") else ""
-            raise ConfigError(f"{sources.of(key_path)}: missing required key {key_path}{what}")
-    return cls(**kwargs)
+def _value_at(data: Any, loc: Tuple[Any, ...]) -> Any:
+    for part in loc:
+        data = data[part]
+    return data
+
+
+def _config_error(exc: ValidationError, data: Mapping[str, Any], order: list, sources: _Sources) -> ConfigError:
+    """The first problem (the file's sections first, see _walk) as a ConfigError naming its key and source:
+    users see the config's key paths, never pydantic's report."""
+    errors = sorted(exc.errors(), key=lambda e: [(order.index(e["loc"][0]),)] + _walk(e["loc"])[0])
+    error = errors[0]
+    _, where, tp, info, followed = _walk(error["loc"])
+    if error["type"] == "extra_forbidden":
+        key, known = error["loc"][-1], list(tp.model_fields)
+        return ConfigError(
+            f"{sources.of(f'{where}.{key}')}: unknown key {where}.{key} "
+            f"(known keys: {', '.join(known)}){_suggest(key, known)}"
+        )
+    if error["type"] == "missing":
+        what = f" ({info.description})" if info is not None and info.description else ""
+        return ConfigError(f"{sources.of(where)}: missing required key {where}{what}")
+    value = _value_at(data, followed)
+    return ConfigError(f"{sources.of(where)}: {where} must be {_expected(tp, info)}, got {_show(value)}")
 
 
 def _training_key(field_name: str) -> str:
@@ -433,8 +416,8 @@ def _resolve_workers(config: PlatformConfig) -> PlatformConfig:
     """[elastic].nproc_per_node = 0 (the default) follows [cluster].gpus: one worker process per GPU."""
     if config.elastic.nproc_per_node:
         return config
-    elastic = dataclasses.replace(config.elastic, nproc_per_node=max(config.cluster.gpus, 1))
-    return dataclasses.replace(config, elastic=elastic)
+    elastic = config.elastic.model_copy(update={"nproc_per_node": max(config.cluster.gpus, 1)})
+    return config.model_copy(update={"elastic": elastic})
 
 
 def _check_consistency(config: PlatformConfig, sources: _Sources) -> None:
@@ -464,10 +447,14 @@ def config_from_dict(data: Mapping[str, Any], source: str, key_sources: Optional
             )
         if not isinstance(table, dict):
             raise ConfigError(f"{sources.of(f'[{section}]')}: [{section}] must be a table, got {_show(table)}")
-    # Sections the file has first, so a typo there is reported before a key missing elsewhere.
-    order = [s for s in data] + [s for s in _SECTIONS if s not in data]
-    built = {name: _build(_SECTIONS[name], data.get(name, {}), f"[{name}]", sources) for name in order}
-    config = _resolve_workers(PlatformConfig(**built, source=source))
+    tables = {name: data.get(name, {}) for name in _SECTIONS}
+    try:
+        config = PlatformConfig.model_validate({**tables, "source": source})
+    except ValidationError as exc:
+        # Sections the file has first, so a typo there is reported before a key missing elsewhere.
+        order = [s for s in data] + [s for s in _SECTIONS if s not in data]
+        raise _config_error(exc, tables, order, sources) from None
+    config = _resolve_workers(config)
     _check_consistency(config, sources)
     _check_training(config, sources)
     return config
@@ -496,21 +483,68 @@ def _read_toml(path: Path) -> dict:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
 
 
-def _field_type(section: str, key: str) -> Any:
-    cls = _SECTIONS.get(section)
-    if cls is None:
-        return None
-    return typing.get_type_hints(cls).get(key)
-
-
-def _parse_override(section: str, key: str, raw: str) -> Any:
-    """String keys take the text as is; other keys read it as a TOML value ("8", "true", '["a"]')."""
-    if _unwrap_optional(_field_type(section, key)) in (str, None):
-        return raw
+def _toml_value(raw: str) -> Any:
+    """An override as TOML reads it ("8", "true", '["a"]', '{ pool = "h200" }'); not TOML: the text itself,
+    which validation then reports with the key."""
     try:
         return tomllib.loads(f"value = {raw}")["value"]
     except tomllib.TOMLDecodeError:
         return raw
+
+
+def _decode(section: str, key: str, raw: str) -> Any:
+    """String keys take the text as is; other keys read it as a TOML value."""
+    cls = _SECTIONS.get(section)
+    return raw if cls is None or _is_text(cls.model_fields.get(key)) else _toml_value(raw)
+
+
+class _OverrideSettings(BaseSettings):
+    # max split 1 (pydantic-settings >= 2.8): a key is one name after its section, so that
+    # FUSEFORGE__CLUSTER__NODE_SELECTOR__X is an unknown key (older versions: see collect_overrides' keys)
+    model_config = SettingsConfigDict(
+        env_prefix=OVERRIDE_ENV_PREFIX, env_nested_delimiter="__", env_nested_max_split=1, case_sensitive=False
+    )
+
+
+# Where FUSEFORGE__SECTION__KEY values go. Never instantiated: overrides are partial, and are validated
+# together with the file they override.
+_OverrideVariables = create_model(
+    "_OverrideVariables", __base__=_OverrideSettings, **{name: (Optional[cls], None) for name, cls in _SECTIONS.items()}
+)
+
+
+class _EnvOverrides(EnvSettingsSource):
+    """pydantic-settings' reading of the override variables of `env` (not necessarily os.environ), decoded as
+    platform.toml would hold them: every key that is not a string key is read as TOML (not JSON, and not only
+    lists and tables), and a value that does not parse is kept as text for validation to report."""
+
+    def __init__(self, env: Mapping[str, str]):
+        self._env = env
+        super().__init__(_OverrideVariables)
+
+    def _load_env_vars(self) -> Mapping[str, Optional[str]]:
+        # sorted, like _override_variables: of names that differ only in case, the same one wins
+        return {name.lower(): value for name, value in sorted(self._env.items())}
+
+    def field_is_complex(self, field: FieldInfo) -> bool:
+        return not _is_text(field)
+
+    def decode_complex_value(self, field_name: str, field: Optional[FieldInfo], value: Any) -> Any:
+        return _toml_value(value)
+
+
+def _override_variables(env: Mapping[str, str]) -> Dict[Tuple[str, str], str]:
+    """{(section, key): variable name}. pydantic-settings reads the values, but silently drops variables it
+    cannot place (FUSEFORGE__GPUS, an unknown section) and lower-cases names; errors must name them as set."""
+    found: Dict[Tuple[str, str], str] = {}
+    for name in sorted(env):
+        if not name.lower().startswith(OVERRIDE_ENV_PREFIX.lower()):
+            continue
+        section, _, key = name[len(OVERRIDE_ENV_PREFIX):].partition("__")
+        if not section or not key:
+            raise ConfigError(f"environment variable {name}: expected {OVERRIDE_ENV_PREFIX}<SECTION>__<KEY>")
+        found[(section.lower(), key.lower())] = name
+    return found
 
 
 def _split_key(dotted: str, source: str) -> Tuple[str, str]:
@@ -522,20 +556,20 @@ def _split_key(dotted: str, source: str) -> Tuple[str, str]:
 
 def collect_overrides(
     env: Mapping[str, str], cli: Optional[Mapping[str, str]] = None
-) -> list[Tuple[str, str, str, str]]:
-    """(section, key, raw value, source) from FUSEFORGE__SECTION__KEY variables, then CLI --set pairs."""
+) -> list[Tuple[str, str, Any, str]]:
+    """(section, key, value, source) from FUSEFORGE__SECTION__KEY variables, then CLI --set pairs; values are
+    decoded (TOML for non-string keys)."""
     found = []
-    for name in sorted(env):
-        if not name.startswith(OVERRIDE_ENV_PREFIX):
-            continue
-        section, _, key = name[len(OVERRIDE_ENV_PREFIX):].partition("__")
-        if not section or not key:
-            raise ConfigError(f"environment variable {name}: expected {OVERRIDE_ENV_PREFIX}<SECTION>__<KEY>")
-        found.append((section.lower(), key.lower(), env[name], f"environment variable {name}"))
+    names = _override_variables(env)
+    values = _EnvOverrides(env)() if names else {}
+    for (section, key), name in names.items():
+        # pydantic-settings leaves out an unknown section's (or, before 2.8, a nested) variable: the error shows its text
+        value = values.get(section, {}).get(key, env[name])
+        found.append((section, key, value, f"environment variable {name}"))
     for dotted, raw in (cli or {}).items():
         source = f"--set {dotted}={raw}"
         section, key = _split_key(dotted, source)
-        found.append((section, key, raw, source))
+        found.append((section, key, _decode(section, key, raw), source))
     return found
 
 
@@ -547,7 +581,7 @@ def _follow_gpus(data: Dict[str, Any], overridden: typing.Set[Tuple[str, str]]) 
     cluster, elastic = data.get("cluster"), data.get("elastic")
     if not isinstance(cluster, dict) or not isinstance(elastic, dict):
         return
-    file_gpus = cluster.get("gpus", ClusterConfig.gpus)
+    file_gpus = cluster.get("gpus", ClusterConfig.model_fields["gpus"].default)
     nproc = elastic.get("nproc_per_node")
     if type(nproc) is int and type(file_gpus) is int and nproc == file_gpus:
         del elastic["nproc_per_node"]
@@ -580,17 +614,17 @@ def load_config(
     key_sources: Dict[str, str] = {}
     overrides_found = collect_overrides(env, overrides)
     _follow_gpus(data, {(section, key) for section, key, _, _ in overrides_found})
-    for section, key, raw, origin in overrides_found:
+    for section, key, value, origin in overrides_found:
         table = data.setdefault(section, {})
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: [{section}] must be a table, got {_show(table)}")
-        table[key] = _parse_override(section, key, raw)
+        table[key] = value
         key_sources[f"[{section}].{key}"] = origin
         if section not in _SECTIONS:
             key_sources[f"[{section}]"] = origin
     label = source + (f" (+ {len(key_sources)} override(s))" if key_sources else "")
     config = config_from_dict(data, source, key_sources)
-    return dataclasses.replace(config, source=label)
+    return config.model_copy(update={"source": label})
 
 
 @functools.lru_cache(maxsize=1)

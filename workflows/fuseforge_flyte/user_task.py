@@ -134,8 +134,7 @@ def _importable(module_name: str) -> Iterator[None]:
 def _plain(arg: str, value: Any) -> Any:
     """A decorator argument as platform.toml would hold it (tolerations as tables)."""
     if arg == "tolerations" and isinstance(value, (list, tuple)):
-        return [{k: v for k, v in dataclasses.asdict(t).items() if v is not None} if isinstance(t, Toleration)
-                else t for t in value]
+        return [t.model_dump(exclude_none=True) if isinstance(t, Toleration) else t for t in value]
     return value
 
 
