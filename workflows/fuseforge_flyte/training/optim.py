@@ -35,7 +35,10 @@ def adamw(groups: List[Dict], lr: float) -> torch.optim.Optimizer:
 class WarmupCosine:
     """LR multiplier: linear warmup over `warmup` steps, then cosine from 1 to MIN_LR_RATIO.
 
-    A class rather than a lambda so that LambdaLR's state_dict stays picklable.
+    A class rather than a lambda so that LambdaLR's state_dict saves `warmup` and `total`, and a continued run
+    with other steps can retarget them (checkpoint.py). Not transformers' cosine-with-warmup: its lambda is a
+    partial that LambdaLR does not save, its warmup gives the first step lr 0, and its cosine is not clamped after
+    `total`; nor torch's chained LinearLR + CosineAnnealingLR, whose recursive form cannot take a new length.
     """
 
     def __init__(self, warmup: int, total: int):
