@@ -156,12 +156,15 @@ def test_fp8_without_torchao_names_the_extra(monkeypatch):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_engine_fp8_run_converts_reports_and_tracks_the_fp32_losses(monkeypatch, strategy):
+def test_engine_fp8_run_converts_reports_and_tracks_the_fp32_losses(monkeypatch, caplog, strategy):
     """The engine path on the CPU (device check bypassed): layers converted after the kernels and before the
-    strategy wraps them, counted in the metrics, fused loss kept, losses within 1 % of the fp32 run's."""
+    strategy wraps them, counted in the metrics, fused loss kept, losses within 1 % of the fp32 run's; without
+    compile it warns that the FP8 casts run unfused."""
     monkeypatch.setattr(fp8, "check_fp8_device", lambda device: None)
     spec = dict(TINY, steps=2, kernels=True, strategy=strategy)
-    low, full = train(TrainSpec(fp8=True, **spec)), train(TrainSpec(**spec))
+    with caplog.at_level("WARNING", logger="fuseforge.training"):
+        low, full = train(TrainSpec(fp8=True, **spec)), train(TrainSpec(**spec))
+    assert sum("fp8 without compile" in r.getMessage() for r in caplog.records) == 1
     assert (low.fp8_linears, full.fp8_linears) == (len(LLAMA_LINEARS), 0)
     assert "fp8 (14 linear layers)" in str(low) and "fp8" not in str(full)
     assert "fused_linear_cross_entropy" in low.kernels_patched

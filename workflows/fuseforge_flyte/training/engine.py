@@ -111,6 +111,9 @@ class _Run:
         if spec.fp8:  # no FP8 on this device, or no torchao: fail before the data and the model
             fp8.check_fp8_device(ctx.device)
             fp8.import_float8()
+            if not spec.compile and ctx.is_main:  # torchao's scaling casts are separate kernels when not compiled
+                log.warning("fp8 without compile: the FP8 casts run unfused and the step is usually slower than "
+                            "bf16; add --compile (benchmarks/RESULTS.md s9-2: Llama-3-8B 1.32x Liger with both)")
         # the data first: a bad dataset fails before any model is built, wrapped or sharded
         self.data = open_training_data(spec, ctx)
         model = _build_model_for(spec, self.data, ctx.device)
