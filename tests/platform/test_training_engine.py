@@ -123,6 +123,38 @@ def test_warmup_cosine_schedule():
     assert all(f(s) >= f(s + 1) for s in range(4, 25))
 
 
+@pytest.mark.parametrize("max_norm", [0.05, 1e3], ids=["clipped", "under-the-norm"])
+def test_clipping_inside_the_fused_adamw_step_equals_clip_grad_norm(max_norm):
+    """The fused optimizer divides the gradients by grad_scale as it reads them: the same update as
+    clip_grad_norm_ then the step (torch's fused AdamW also runs on the CPU)."""
+    from types import SimpleNamespace
+
+    from fuseforge_flyte.training import optim
+    from fuseforge_flyte.training.strategies import _TorchOptimized
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(16, 8), torch.nn.Linear(8, 4)]
+    results = []
+    for fold in (False, True):
+        model = torch.nn.Sequential(*[torch.nn.Linear(l.in_features, l.out_features) for l in layers])
+        model.load_state_dict(torch.nn.Sequential(*layers).state_dict())
+        opt = torch.optim.AdamW(optim.param_groups(model.named_parameters(), 0.1), lr=1e-2, fused=True)
+        strategy = SimpleNamespace(spec=SimpleNamespace(grad_clip=max_norm), optimizer=opt,
+                                   _trained_parameters=model.named_parameters)
+        for step in range(3):
+            model(torch.randn(5, 16, generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
+            if fold:
+                assert _TorchOptimized._clip_in_fused_step(strategy)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+            opt.__dict__.pop("grad_scale", None)
+            opt.zero_grad(set_to_none=True)
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(results[1], results[0], rtol=1e-6, atol=1e-7)
+    assert not torch.equal(results[0], torch.cat([p.detach().flatten() for p in torch.nn.Sequential(*layers).parameters()]))
+
+
 def test_elastic_environment_is_checked(monkeypatch):
     from fuseforge_flyte.training.distributed import DistContext
 
