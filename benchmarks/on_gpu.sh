@@ -105,6 +105,7 @@ mc = torch.compile(m); mc(x).float().sum().backward(); print('compiled ok')" ;;
             --output "$OUT/engine-1b-compile.json" ;;
         plan-llama8b-fp8) STEP_TIMEOUT=590 TAIL=40 run_step "$step" python3 benchmarks/plan_llama8b.py --probe-seconds 40 \
             --variants liger fuseforge+fp8 fuseforge-loss+compile-layers --json "$OUT/plan-llama8b-fp8.json" ;;
+        profile-engine) STEP_TIMEOUT=240 TAIL=60 run_step "$step" python3 benchmarks/profile_engine.py ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done
