@@ -106,6 +106,13 @@ mc = torch.compile(m); mc(x).float().sum().backward(); print('compiled ok')" ;;
         plan-llama8b-fp8) STEP_TIMEOUT=590 TAIL=40 run_step "$step" python3 benchmarks/plan_llama8b.py --probe-seconds 40 \
             --variants liger fuseforge+fp8 fuseforge-loss+compile-layers --json "$OUT/plan-llama8b-fp8.json" ;;
         profile-engine) STEP_TIMEOUT=240 TAIL=60 run_step "$step" python3 benchmarks/profile_engine.py ;;
+        tests-master-adamw) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_master_adamw.py \
+            tests/platform/test_master_weights.py tests/platform/test_training_engine.py -k "not slow" ;;
+        model-1b-plain) STEP_TIMEOUT=200 run_step "$step" python3 benchmarks/bench_model.py --variants fuseforge \
+            fuseforge+compile-layers --json "$OUT/model-1b-plain.json" ;;
+        engine-1b-eager) STEP_TIMEOUT=200 run_step "$step" python3 -m fuseforge_flyte.training --model llama-1b \
+            --dataset bench:synthetic --steps 40 --batch-size 4 --seq-len 2048 --dtype bf16 --kernels --plan off \
+            --output "$OUT/engine-1b-eager.json" ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done

@@ -69,7 +69,10 @@ def main() -> int:
         metrics = train(spec)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    kernels = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    from torch.autograd import DeviceType
+
+    # the kernels themselves (CPU-side ops also carry their kernels' device time: they would count twice)
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
     per_step = lambda us: us / 1e3 / args.active  # noqa: E731
     by_phase: dict = defaultdict(float)
     for e in kernels:

@@ -140,7 +140,7 @@ def test_clipping_inside_the_fused_adamw_step_equals_clip_grad_norm(max_norm):
         model.load_state_dict(torch.nn.Sequential(*layers).state_dict())
         opt = torch.optim.AdamW(optim.param_groups(model.named_parameters(), 0.1), lr=1e-2, fused=True)
         strategy = SimpleNamespace(spec=SimpleNamespace(grad_clip=max_norm), optimizer=opt,
-                                   _trained_parameters=model.named_parameters)
+                                   _gradients=lambda: [p.grad for p in model.parameters()])
         for step in range(3):
             model(torch.randn(5, 16, generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
             if fold:

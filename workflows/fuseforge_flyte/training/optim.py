@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Dict, Iterable, List
 
 import torch
@@ -51,6 +52,24 @@ class WarmupCosine:
         span = max(1, self.total - self.warmup)
         progress = min(1.0, (step - self.warmup) / span)
         return MIN_LR_RATIO + (1.0 - MIN_LR_RATIO) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def master_adamw(groups: List[Dict], lr: float, masters) -> torch.optim.Optimizer:
+    """The same AdamW over fp32 master weights (precision.MasterWeights), fused with writing the bf16 model
+    (fuseforge.optim.MasterAdamW: same update and state names as torch's)."""
+    from fuseforge.optim import MasterAdamW
+
+    return MasterAdamW(groups, lr=lr, betas=BETAS, eps=EPS, model_copy_of=masters.model_copy_of,
+                       gradient_of=masters.gradient_of)
+
+
+def divides_by_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step()` divides each gradient by `optimizer.grad_scale` as it reads it: torch's fused
+    AdamW and MasterAdamW do."""
+    if optimizer.param_groups[0].get("fused"):
+        return True
+    module = sys.modules.get("fuseforge.optim.master_adamw")  # not imported: it cannot be one
+    return module is not None and isinstance(optimizer, module.MasterAdamW)
 
 
 def scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int):

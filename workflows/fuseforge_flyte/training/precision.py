@@ -7,11 +7,14 @@ training keeps fp32 quality:
 
 * each parameter's fp32 master copy is what the optimizer sees and updates;
 * gradients leave the bf16 parameter as soon as autograd has accumulated them (a post-accumulate-grad hook)
-  and are summed into the master's fp32 gradient, so micro-batches accumulate in fp32;
+  and are summed into the master's fp32 gradient, so micro-batches accumulate in fp32; a step of one
+  micro-batch on one rank has nothing to accumulate, and keeps the bf16 gradient as it is;
 * with several ranks the same hook starts an asynchronous all-reduce of each master gradient on the last
   micro-batch of a step, so communication overlaps the rest of the backward pass, as DDP's buckets do, but
   in fp32;
-* after the optimizer step the bf16 parameters are refreshed from the masters, once per step.
+* the optimizer (fuseforge.optim.MasterAdamW) reads each master's gradient in the dtype it has, updates the
+  master and writes the bf16 parameter in the same pass: no fp32 copy of a bf16 gradient and no separate
+  refresh of the model (`refresh_model` remains for loading and for other optimizers).
 
 Checkpoints and exports hold the fp32 masters under the parameters' own names, so a resumed run continues
 from exactly the weights an uninterrupted run would have.
@@ -34,6 +37,8 @@ class MasterWeights:
         self._pairs: List[Tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
         self._names: List[str] = []
         self._reduce_now = False
+        self._keep_low = False  # this micro-batch's gradients stay bf16 (the only one of the step, one rank)
+        self._low_grads: Dict[int, torch.Tensor] = {}  # id(master) -> its bf16 gradient, while _keep_low
         self._pending: List = []
         for name, param in model.named_parameters():  # shared (tied) parameters come once
             if not param.requires_grad:
@@ -46,11 +51,18 @@ class MasterWeights:
             self._pairs.append((param, master))
             self._names.append(name)
         self._by_param = {id(p): m for p, m in self._pairs}
+        self._copy_of = {id(m): p for p, m in self._pairs}
 
     def _make_hook(self, master: torch.nn.Parameter):
         def move_grad(param: torch.Tensor) -> None:
             grad = param.grad
             param.grad = None
+            kept = self._low_grads.pop(id(master), None)
+            if kept is not None:  # a second backward into the same step after all: accumulate in fp32 from here
+                master.grad = kept.to(torch.float32)
+            elif self._keep_low and master.grad is None:
+                self._low_grads[id(master)] = grad
+                return
             if master.grad is None:
                 master.grad = grad.to(torch.float32)
             else:
@@ -67,9 +79,30 @@ class MasterWeights:
     def parameters(self) -> List[torch.nn.Parameter]:
         return [m for _, m in self._pairs]
 
+    def model_copy_of(self, master: torch.Tensor) -> torch.Tensor:
+        """The model's low-precision parameter that `master` is the master of."""
+        return self._copy_of[id(master)]
+
+    def gradient_of(self, master: torch.Tensor) -> Optional[torch.Tensor]:
+        """The gradient to apply to `master`: its fp32 accumulation, or the kept bf16 gradient, or None."""
+        kept = self._low_grads.get(id(master))
+        return kept if kept is not None else master.grad
+
+    def gradients(self) -> List[torch.Tensor]:
+        """Every master's gradient that exists (for the gradient norm)."""
+        return [g for g in (self.gradient_of(m) for _, m in self._pairs) if g is not None]
+
     def start_micro_batch(self, last: bool) -> None:
-        """With several ranks, the last micro-batch of a step all-reduces each gradient once it is complete."""
+        """With several ranks, the last micro-batch of a step all-reduces each gradient once it is complete.
+        A step's only micro-batch on a single rank keeps its bf16 gradients (nothing to sum them with)."""
         self._reduce_now = last and self.group_size > 1
+        self._keep_low = (last and self.group_size == 1 and not self._low_grads
+                          and all(m.grad is None for _, m in self._pairs))
+
+    def clear_gradients(self) -> None:
+        """Drop the kept bf16 gradients (the optimizer's zero_grad drops the fp32 ones)."""
+        self._low_grads.clear()
+        self._keep_low = False
 
     def finish_gradients(self) -> None:
         """Wait for the step's all-reduces (a parameter that got no gradient on this rank gets zeros first)."""
@@ -81,7 +114,7 @@ class MasterWeights:
         for work in self._pending:
             work.wait()
         self._pending.clear()
-        self._reduce_now = False
+        self._reduce_now = self._keep_low = False
 
     @torch.no_grad()
     def refresh_model(self) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -128,9 +128,12 @@ class _TorchOptimized(Strategy):
         """(name, parameter) pairs the optimizer updates."""
         return self.model.named_parameters()
 
-    def _build_optimizer(self) -> None:
+    def _build_optimizer(self, masters: Optional[MasterWeights] = None) -> None:
         groups = optim.param_groups(self._trained_parameters(), self.spec.weight_decay)
-        self.optimizer = optim.adamw(groups, self.spec.lr)
+        if masters is not None:
+            self.optimizer = optim.master_adamw(groups, self.spec.lr, masters)
+        else:
+            self.optimizer = optim.adamw(groups, self.spec.lr)
         self.scheduler = optim.scheduler(self.optimizer, self.spec.warmup_steps, self.spec.steps)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -140,13 +143,16 @@ class _TorchOptimized(Strategy):
         if self.spec.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_([p for _, p in self._trained_parameters()], self.spec.grad_clip)
 
+    def _gradients(self) -> List[torch.Tensor]:
+        return [p.grad for _, p in self._trained_parameters() if p.grad is not None]
+
     def _clip_in_fused_step(self) -> bool:
-        """Clip inside torch's fused AdamW: it divides each gradient by the optimizer's `grad_scale` tensor as it
-        reads it, so clipping costs one read of the gradients (the norm) instead of a read and a rewrite."""
-        if self.spec.grad_clip <= 0 or not self.optimizer.param_groups[0].get("fused"):
+        """Clip inside a fused AdamW (torch's, or MasterAdamW): it divides each gradient by the optimizer's
+        `grad_scale` tensor as it reads it, so clipping costs one read of the gradients (the norm) instead of a
+        read and a rewrite."""
+        if self.spec.grad_clip <= 0 or not optim.divides_by_grad_scale(self.optimizer):
             return False
-        grads = [p.grad for _, p in self._trained_parameters() if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        norm = torch.nn.utils.get_total_norm(self._gradients(), foreach=True)
         # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); dividing by its inverse is the same
         self.optimizer.grad_scale = torch.clamp((norm + 1e-6) / self.spec.grad_clip, min=1.0).to(torch.float32)
         return True
@@ -186,7 +192,7 @@ class DDPStrategy(_TorchOptimized):
             self.model = DistributedDataParallel(model, device_ids=ids)
         else:
             self.model = model
-        self._build_optimizer()
+        self._build_optimizer(self.masters)
         self.scaler = torch.amp.GradScaler("cuda") if self.dtype == "fp16" else None
 
     def _autocast(self):
@@ -196,6 +202,9 @@ class DDPStrategy(_TorchOptimized):
 
     def _trained_parameters(self):
         return self.masters.named_parameters() if self.masters is not None else super()._trained_parameters()
+
+    def _gradients(self) -> List[torch.Tensor]:
+        return self.masters.gradients() if self.masters is not None else super()._gradients()
 
     def forward(self, batch: Dict[str, torch.Tensor], last_micro: bool) -> torch.Tensor:
         if self.masters is not None:
@@ -212,10 +221,10 @@ class DDPStrategy(_TorchOptimized):
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def optimizer_step(self) -> None:
-        if self.masters is not None:
+        if self.masters is not None:  # MasterAdamW writes the bf16 model as it updates the masters
             self.masters.finish_gradients()
             super().optimizer_step()
-            self.masters.refresh_model()
+            self.masters.clear_gradients()
             return
         if self.scaler is None:
             return super().optimizer_step()
@@ -229,6 +238,7 @@ class DDPStrategy(_TorchOptimized):
     def discard_step(self) -> None:
         if self.masters is not None:
             self.masters.finish_gradients()
+            self.masters.clear_gradients()
         super().discard_step()
 
     def _model_state(self) -> Dict[str, torch.Tensor]:

@@ -1,0 +1,137 @@
+"""AdamW on fp32 master weights that also writes the model's bf16 (or fp16) copy, in one pass per tensor.
+
+Mixed precision with master weights costs, per parameter and step, on top of the update itself: a cast of the
+low-precision gradient into an fp32 gradient, and a cast of the updated master back into the model's copy.
+torch's fused AdamW reads and writes fp32 tensors only, so those are two more passes over memory (and its
+multi-tensor kernel moves about half the bytes per second a plain elementwise pass does on an H200, see
+benchmarks/RESULTS.md s9). Here one kernel per tensor reads the master, its moments and the gradient in whatever
+dtype it is (bf16 straight from backward, or an fp32 accumulation) and writes the master, the moments and the
+model's copy: 28 bytes per bf16-gradient parameter instead of 44.
+
+The update is torch.optim.AdamW's (decoupled weight decay, bias corrections, eps outside the square root), in
+fp32 like torch's fused kernel; the state (`step`, `exp_avg`, `exp_avg_sq`) has torch's names and shapes, so
+checkpoints move between the two. `step` is kept as a CPU tensor, so the bias corrections are computed on the host
+without a device sync. The optimizer honours a `grad_scale` attribute as torch's fused AdamW does (the gradient is
+divided by it as it is read): that is how gradient clipping costs one read of the gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fuseforge.ops._shared.rowwise import round_to
+from fuseforge.ops._shared.utils import check_device_supported, is_interpreter
+
+_BLOCK = 4096
+_LOW_DTYPES = (torch.bfloat16, torch.float16)
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _master_adamw_kernel(
+    master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, grad_scale_ptr,
+    n, lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
+    HAS_GRAD_SCALE: tl.constexpr, EMULATE_RNE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    param = tl.load(master_ptr + offsets, mask=mask, other=0.0)
+    grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    if HAS_GRAD_SCALE:
+        grad = grad / tl.load(grad_scale_ptr)
+    exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0)
+    exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0)
+    param = param - lr * weight_decay * param
+    exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
+    exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
+    denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
+    param = param - step_size * exp_avg / denom
+    tl.store(master_ptr + offsets, param, mask=mask)
+    tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
+    tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
+    tl.store(copy_ptr + offsets, round_to(param, copy_ptr.dtype.element_ty, EMULATE_RNE), mask=mask)
+
+
+def _check_pair(master: torch.Tensor, copy: torch.Tensor, grad: torch.Tensor) -> None:
+    if master.dtype != torch.float32:
+        raise TypeError(f"MasterAdamW updates fp32 master weights, got a {master.dtype} parameter")
+    if copy.dtype not in _LOW_DTYPES:
+        raise TypeError(f"the model copy of a master weight must be bf16 or fp16, got {copy.dtype}")
+    if grad.dtype not in _GRAD_DTYPES:
+        raise TypeError(f"a master weight's gradient must be fp32, bf16 or fp16, got {grad.dtype}")
+    if copy.shape != master.shape or grad.shape != master.shape:
+        raise ValueError(f"master {tuple(master.shape)}, its model copy {tuple(copy.shape)} and its gradient "
+                         f"{tuple(grad.shape)} must have the same shape")
+    for name, t in (("master weight", master), ("model copy", copy), ("gradient", grad)):
+        if not t.is_contiguous():
+            raise ValueError(f"MasterAdamW needs a contiguous {name} (shape {tuple(t.shape)}, strides {t.stride()})")
+        if t.device != master.device:
+            raise ValueError(f"the {name} is on {t.device}, its master weight on {master.device}")
+    check_device_supported("master weight", master)
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """torch.optim.AdamW over fp32 master weights; each step also writes `model_copy_of(master)`.
+
+    params: the fp32 masters (or groups of them). model_copy_of(master): the low-precision tensor the model computes
+    with, overwritten with the rounded master after each update. gradient_of(master): the gradient to apply, fp32 or
+    the model copy's own dtype (default: `master.grad`); None skips the master, as torch skips a parameter
+    without a gradient. amsgrad, maximize and the foreach/fused/capturable switches are not supported.
+    """
+
+    def __init__(self, params: Iterable, *, model_copy_of: Callable[[torch.Tensor], torch.Tensor],
+                 gradient_of: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None,
+                 lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.model_copy_of = model_copy_of
+        self.gradient_of = gradient_of or (lambda master: master.grad)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's loading, then `step` back on the CPU (a fused torch AdamW saves it on the GPU)."""
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(float(state["step"]))
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        for group in self.param_groups:
+            if group["amsgrad"] or group["maximize"]:
+                raise ValueError("MasterAdamW supports neither amsgrad nor maximize")
+            beta1, beta2 = group["betas"]
+            for master in group["params"]:
+                grad = self.gradient_of(master)
+                if grad is None:
+                    continue
+                copy = self.model_copy_of(master)
+                _check_pair(master, copy, grad)
+                state = self.state[master]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                state["step"] += 1
+                step = float(state["step"])
+                lr = float(group["lr"])
+                n = master.numel()
+                if n == 0:
+                    continue
+                _master_adamw_kernel[(triton.cdiv(n, _BLOCK),)](
+                    master, grad, state["exp_avg"], state["exp_avg_sq"], copy,
+                    grad_scale if grad_scale is not None else master,
+                    n, lr, beta1, beta2, group["eps"], group["weight_decay"],
+                    lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step),
+                    HAS_GRAD_SCALE=grad_scale is not None, EMULATE_RNE=is_interpreter(), BLOCK=_BLOCK, num_warps=8,
+                )
+        return loss
