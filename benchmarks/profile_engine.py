@@ -72,7 +72,9 @@ def main() -> int:
     from torch.autograd import DeviceType
 
     # the kernels themselves (CPU-side ops also carry their kernels' device time: they would count twice)
-    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    # (annotations such as ProfilerStep* and Optimizer.step#... are also "CUDA" rows: left out)
+    kernels = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
+               and not e.key.startswith(("ProfilerStep", "Optimizer."))]
     per_step = lambda us: us / 1e3 / args.active  # noqa: E731
     by_phase: dict = defaultdict(float)
     for e in kernels:

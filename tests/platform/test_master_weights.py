@@ -79,29 +79,30 @@ def test_the_optimizer_updates_masters_and_the_model_follows_once_per_step():
         assert torch.equal(param, master.to(torch.bfloat16))
 
 
-def _step_with(optimizer_of, micro_batches):
-    """(model, masters) after one optimizer step over `micro_batches` batches."""
+def _step_with(optimizer_of, micro_batches, device):
+    """(model, masters, optimizer) with the gradients of `micro_batches` batches, before the step."""
     torch.manual_seed(0)
-    model = _Tied()
+    model = _Tied().to(device)
     masters = MasterWeights(model, torch.bfloat16)
     optimizer = optimizer_of(optim.param_groups(masters.named_parameters(), 0.1), masters)
     for i, seed in enumerate(micro_batches):
         masters.start_micro_batch(last=i == len(micro_batches) - 1)
-        model(_batch(seed)).backward()
+        model(_batch(seed).to(device)).backward()
     return model, masters, optimizer
 
 
 @pytest.mark.parametrize("micro_batches", [(1,), (1, 2)], ids=["one micro-batch", "two micro-batches"])
-def test_master_adamw_takes_bf16_gradients_and_writes_the_model(micro_batches):
+def test_master_adamw_takes_bf16_gradients_and_writes_the_model(micro_batches, device):
     """One micro-batch on one rank: the bf16 gradients are used as they are (no fp32 copy); with two they sum
     in fp32. Either way MasterAdamW's update equals torch's AdamW on the fp32 gradients, and the model is the
     rounded masters right after the step (no refresh)."""
-    model, masters, optimizer = _step_with(lambda groups, m: optim.master_adamw(groups, 1e-2, m), micro_batches)
+    model, masters, optimizer = _step_with(lambda groups, m: optim.master_adamw(groups, 1e-2, m), micro_batches,
+                                           device)
     grads = [masters.gradient_of(m) for m in masters.parameters()]
     single = len(micro_batches) == 1
     assert all(g.dtype == (torch.bfloat16 if single else torch.float32) for g in grads)
     assert all((m.grad is None) == single for m in masters.parameters())
-    _, reference, torch_adamw = _step_with(lambda groups, m: optim.adamw(groups, 1e-2), micro_batches)
+    _, reference, torch_adamw = _step_with(lambda groups, m: optim.adamw(groups, 1e-2), micro_batches, device)
     for master, grad in zip(reference.parameters(), grads):
         master.grad = grad.float()  # the same gradients, as torch's AdamW needs them: fp32
     optimizer.step()
