@@ -26,11 +26,13 @@ from fuseforge.ops import cross_entropy as ce
 from fuseforge.ops import glu, jsd, kl_div, layer_norm, rms_norm, rope
 from fuseforge.ops._shared import rowwise, scaling, targets
 from fuseforge.ops._shared import vocab_major_cross_entropy as vm
+from fuseforge.optim import master_adamw
 
 TARGET = GPUTarget("cuda", 90, 32)
 # `--resources`: also print each variant's registers and spills (LOCAL > 0 means spilled).
 RESOURCES = "--resources" in sys.argv
-FLOAT_ARGS = {"softcap", "label_smoothing", "z_loss_scale", "eps", "offset", "beta", "inv_temperature"}
+FLOAT_ARGS = {"softcap", "label_smoothing", "z_loss_scale", "eps", "offset", "beta", "inv_temperature",
+              "lr", "beta1", "beta2", "weight_decay", "step_size", "bias_correction2_sqrt"}
 
 
 def signature(kernel, pointers: dict, dtype: str) -> dict:
@@ -73,6 +75,11 @@ def data(*names):
 
 def main() -> int:
     f32, i64 = "*fp32", "*i64"
+    for grad, copy in (("*bf16", "*bf16"), ("*fp32", "*bf16"), ("*fp16", "*fp16")):
+        compile_for_sm90(master_adamw._master_adamw_kernel,
+                         {"master_ptr": f32, "grad_ptr": grad, "exp_avg_ptr": f32, "exp_avg_sq_ptr": f32,
+                          "copy_ptr": copy, "grad_scale_ptr": f32}, grad,
+                         dict(HAS_GRAD_SCALE=True, EMULATE_RNE=False, BLOCK=master_adamw._BLOCK))
     for dt in ("*bf16", "*fp16", "*fp32"):
         for softcap in (False, True):
             for smoothing in (False, True):  # the sum of z is only accumulated with label smoothing
