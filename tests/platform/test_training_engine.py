@@ -156,6 +156,20 @@ def test_clipping_inside_the_fused_adamw_step_equals_clip_grad_norm(max_norm):
     assert not torch.equal(results[0], torch.cat([p.detach().flatten() for p in torch.nn.Sequential(*layers).parameters()]))
 
 
+def test_the_clipping_norm_is_fp32_for_bf16_gradients():
+    from types import SimpleNamespace
+
+    from fuseforge_flyte.training.strategies import _TorchOptimized
+
+    grads = [torch.randn(1000).to(torch.bfloat16) * 3, torch.randn(7).to(torch.bfloat16)]
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
+    strategy = SimpleNamespace(spec=SimpleNamespace(grad_clip=0.5), optimizer=opt, _gradients=lambda: grads)
+    assert _TorchOptimized._clip_in_fused_step(strategy)
+    norm = torch.cat([g.double().flatten() for g in grads]).norm()
+    assert opt.grad_scale.dtype == torch.float32
+    assert float(opt.grad_scale) == pytest.approx(float((norm + 1e-6) / 0.5), rel=1e-6)
+
+
 def test_elastic_environment_is_checked(monkeypatch):
     from fuseforge_flyte.training.distributed import DistContext
 
