@@ -84,6 +84,12 @@ def parse_variant(variant: str) -> tuple[str, tuple[str, ...], int | None]:
     return base, modifiers, int(chunk_mib) if chunk_mib else None
 
 
+def variant_arg(variant: str) -> str:
+    """argparse `type=` for a --variants entry: the text, once parse_variant accepts it."""
+    parse_variant(variant)
+    return variant
+
+
 def apply_variant(model, variant: str):
     import torch
 
@@ -220,19 +226,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--grad-ckpt", action="store_true")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), help=f"e.g. {VARIANTS}, fuseforge-loss+compile, fuseforge+compile-layers; @<MiB> sets the loss chunk")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=variant_arg, help=f"e.g. {VARIANTS}, fuseforge-loss+compile, fuseforge+compile-layers; @<MiB> sets the loss chunk")
     p.add_argument("--timeout", type=int, default=600)
     p.add_argument("--profile", action="store_true", help="print each variant's top GPU kernels (torch.profiler)")
     p.add_argument("--json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    for v in args.variants:
-        try:
-            parse_variant(v)
-        except argparse.ArgumentTypeError as exc:
-            p.error(str(exc))
-
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0

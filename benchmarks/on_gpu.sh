@@ -100,9 +100,6 @@ mc = torch.compile(m); mc(x).float().sum().backward(); print('compiled ok')" ;;
         model-8b-fp8) STEP_TIMEOUT=560 run_step "$step" python3 benchmarks/bench_model.py --preset llama3-8b --batch 2 \
             --seq 4096 --variants liger fuseforge fuseforge-loss+compile-layers fuseforge+fp8 fuseforge-loss+fp8 \
             --json "$OUT/model-8b-fp8.json" ;;
-        engine-1b-compile) STEP_TIMEOUT=200 run_step "$step" python3 -m fuseforge_flyte.training --model llama-1b \
-            --dataset bench:synthetic --steps 40 --batch-size 4 --seq-len 2048 --dtype bf16 --kernels --plan off --compile \
-            --output "$OUT/engine-1b-compile.json" ;;
         plan-llama8b-fp8) STEP_TIMEOUT=590 TAIL=40 run_step "$step" python3 benchmarks/plan_llama8b.py --probe-seconds 40 \
             --variants liger fuseforge+fp8 fuseforge-loss+compile-layers --json "$OUT/plan-llama8b-fp8.json" ;;
         profile-engine) STEP_TIMEOUT=240 TAIL=60 run_step "$step" python3 benchmarks/profile_engine.py ;;
@@ -110,9 +107,10 @@ mc = torch.compile(m); mc(x).float().sum().backward(); print('compiled ok')" ;;
             tests/platform/test_master_weights.py tests/platform/test_training_engine.py -k "not slow" ;;
         model-1b-plain) STEP_TIMEOUT=200 run_step "$step" python3 benchmarks/bench_model.py --variants fuseforge \
             fuseforge+compile-layers --json "$OUT/model-1b-plain.json" ;;
-        engine-1b-eager) STEP_TIMEOUT=200 run_step "$step" python3 -m fuseforge_flyte.training --model llama-1b \
-            --dataset bench:synthetic --steps 40 --batch-size 4 --seq-len 2048 --dtype bf16 --kernels --plan off \
-            --output "$OUT/engine-1b-eager.json" ;;
+        engine-1b-eager|engine-1b-compile) compile=--no-compile; [ "$step" = engine-1b-compile ] && compile=--compile
+            STEP_TIMEOUT=200 run_step "$step" python3 -m fuseforge_flyte.training --model llama-1b \
+            --dataset bench:synthetic --steps 40 --batch-size 4 --seq-len 2048 --dtype bf16 --kernels --plan off $compile \
+            --output "$OUT/$step.json" ;;
         *) echo "unknown step $step"; exit 2 ;;
     esac
 done

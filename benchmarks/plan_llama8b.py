@@ -102,8 +102,10 @@ def worker(args) -> None:
 
 
 def main(argv=None) -> int:
+    import bench_model
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS),
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), type=bench_model.variant_arg,
                    help=f"default {VARIANTS}; any bench_model.py variant, e.g. fuseforge-loss+compile-layers")
     p.add_argument("--global-batch", type=int, default=16, help="sequences per optimizer step")
     p.add_argument("--seq", type=int, default=4096)
@@ -115,13 +117,6 @@ def main(argv=None) -> int:
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    import bench_model
-
-    for variant in args.variants:
-        try:
-            bench_model.parse_variant(variant)
-        except argparse.ArgumentTypeError as exc:
-            p.error(str(exc))
     if args.worker:
         worker(args)
         return 0

@@ -114,7 +114,7 @@ class MasterWeights:
         for work in self._pending:
             work.wait()
         self._pending.clear()
-        self._reduce_now = self._keep_low = False
+        self._reduce_now = False
 
     @torch.no_grad()
     def refresh_model(self) -> None:
