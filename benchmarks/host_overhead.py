@@ -5,7 +5,7 @@
 Per op at its headline shape (run.py's OPS), forward+backward in bf16: do_bench as launched, the
 CUDA-graph replay (GPU time), the host time per step with the launches queued behind a sleep kernel
 (so the GPU never waits on them), and the number of kernels one step launches. --profile adds
-cProfile's top Python functions for fuseforge. The implementations alternate over --rounds rounds
+cProfile's top Python functions for each implementation. The implementations alternate over --rounds rounds
 (the host's speed drifts on a shared VM) and the medians are reported. Issue 21 asks that, as launched, every headline op
 take at most Liger's time.
 """
@@ -75,7 +75,8 @@ def main() -> int:
                 torch.cuda.synchronize()
             print(json.dumps(row), flush=True)
             rows.append(row)
-            if args.profile and name == "fuseforge":
+            if args.profile:
+                print(f"--- {name} {op}: Python profile", flush=True)
                 print(python_profile(fn, steps=50, top=25), flush=True)
             for t in case.leaves:
                 t.grad = None

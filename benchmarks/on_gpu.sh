@@ -107,6 +107,11 @@ mc = torch.compile(m); mc(x).float().sum().backward(); print('compiled ok')" ;;
             tests/platform/test_master_weights.py tests/platform/test_training_engine.py -k "not slow" ;;
         model-1b-plain) STEP_TIMEOUT=200 run_step "$step" python3 benchmarks/bench_model.py --variants fuseforge \
             fuseforge+compile-layers --json "$OUT/model-1b-plain.json" ;;
+        tests-host-ops) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_glu.py \
+            tests/kernels/test_rms_norm.py tests/kernels/test_layer_norm.py tests/kernels/test_rope.py \
+            tests/kernels/test_bad_inputs.py tests/kernels/test_custom_ops.py tests/hf/test_compile.py ;;
+        model-1b) STEP_TIMEOUT=300 run_step "$step" python3 benchmarks/bench_model.py --variants liger fuseforge \
+            --json "$OUT/model-1b.json" ;;
         engine-1b-eager|engine-1b-compile) compile=--no-compile; [ "$step" = engine-1b-compile ] && compile=--compile
             STEP_TIMEOUT=200 run_step "$step" python3 -m fuseforge_flyte.training --model llama-1b \
             --dataset bench:synthetic --steps 40 --batch-size 4 --seq-len 2048 --dtype bf16 --kernels --plan off $compile \

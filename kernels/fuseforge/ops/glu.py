@@ -160,42 +160,58 @@ def _flat_if_dense(*rows: torch.Tensor) -> tuple[int, int]:
     return n_rows, n_cols
 
 
+def _launch_shape(*tensors: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], int, int, tuple[int, ...]]:
+    """(the tensors to launch on, rows, cols, their row strides).
+
+    Dense tensors (the usual case: a linear layer's output and fresh buffers) go as they are, as one
+    long row: no views to make, no tile cut short at a row end. Otherwise [rows, cols] views (unit column
+    stride: a written buffer is always dense or one of those views, so `_as_rows` never copies it).
+    """
+    if all(t.is_contiguous() for t in tensors):
+        n_cols = tensors[0].numel()
+        return tensors, 1, n_cols, (n_cols,) * len(tensors)
+    rows = tuple(_as_rows(t)[0] for t in tensors)
+    n_rows, n_cols = _flat_if_dense(*rows)
+    return rows, n_rows, n_cols, tuple(r.stride(0) for r in rows)
+
+
 def _glu_forward(gate, up, activation):
-    """The forward launch (eager and compiled paths): (out, gate and up as [rows, cols], whether each was copied)."""
-    gate_rows, gate_copied = _as_rows(gate)
-    up_rows, up_copied = _as_rows(up)
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-    n_rows, n_cols = _flat_if_dense(gate_rows, up_rows)
+    """The forward launch (eager and compiled paths): (out, the gate and up it read, whether each was copied).
+
+    gate/up are read in place when dense or row-strided (e.g. chunked out of one fused projection);
+    only a strided last dim is copied.
+    """
+    out = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    gate_read, up_read, gate_copied, up_copied = gate, up, False, False
+    if not (gate.is_contiguous() and up.is_contiguous()):
+        gate_read, gate_copied = _as_rows(gate)
+        up_read, up_copied = _as_rows(up)
     if out.numel():
+        tensors, n_rows, n_cols, strides = _launch_shape(gate_read, up_read, out)
         cfg = _launch_config(n_rows, n_cols)
         _glu_forward_kernel[cfg["grid"]](
-            gate_rows, up_rows, out,
-            gate_rows.stride(0), up_rows.stride(0), n_cols,
-            n_rows, n_cols,
+            *tensors, *strides, n_rows, n_cols,
             ACTIVATION=activation, FP64=gate.dtype == torch.float64, **cfg["meta"],
         )
-    return out, gate_rows, up_rows, gate_copied, up_copied
+    return out, gate_read, up_read, gate_copied, up_copied
 
 
-def _glu_backward(grad_out, gate_rows, up_rows, grad_gate, grad_up, activation) -> None:
-    """The backward launch: d_gate and d_up into grad_gate/grad_up ([rows, cols]; they may be gate/up's rows)."""
-    grad_rows, _ = _as_rows(grad_out)
-    n_rows, n_cols = _flat_if_dense(grad_rows, gate_rows, up_rows, grad_gate, grad_up)
+def _glu_backward(grad_out, gate, up, grad_gate, grad_up, activation) -> None:
+    """The backward launch: d_gate and d_up into grad_gate/grad_up (gate's shape; they may be gate/up)."""
     if grad_out.numel():
+        tensors, n_rows, n_cols, strides = _launch_shape(grad_out, gate, up, grad_gate, grad_up)
         cfg = _launch_config(n_rows, n_cols)
         _glu_backward_kernel[cfg["grid"]](
-            grad_rows, gate_rows, up_rows, grad_gate, grad_up,
-            grad_rows.stride(0), gate_rows.stride(0), up_rows.stride(0), grad_gate.stride(0), grad_up.stride(0),
-            n_rows, n_cols,
-            ACTIVATION=activation, FP64=gate_rows.dtype == torch.float64, **cfg["meta"],
+            *tensors, *strides, n_rows, n_cols,
+            ACTIVATION=activation, FP64=gate.dtype == torch.float64, **cfg["meta"],
         )
 
 
 class _GLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, activation, inplace_backward, gate_reusable, up_reusable):
-        out, gate_rows, up_rows, gate_copied, up_copied = _glu_forward(gate, up, activation)
-        ctx.save_for_backward(gate_rows, up_rows)
+        out, gate_read, up_read, gate_copied, up_copied = _glu_forward(gate, up, activation)
+        ctx.save_for_backward(gate_read, up_read)
         ctx.activation = activation
         ctx.shape = gate.shape
         # A private copy made here is never seen by anyone else, so it is always safe to reuse.
@@ -212,15 +228,17 @@ class _GLUFunction(torch.autograd.Function):
                 "swiglu/geglu backward ran twice, but the first run wrote the gradients into gate/up's "
                 "buffers; pass inplace_backward=False to backward through it more than once"
             )
-        gate_rows, up_rows = ctx.saved_tensors
-        grad_gate = gate_rows if ctx.reuse_gate else torch.empty_like(gate_rows, memory_format=torch.contiguous_format)
-        grad_up = up_rows if ctx.reuse_up else torch.empty_like(up_rows, memory_format=torch.contiguous_format)
-        _glu_backward(grad_out, gate_rows, up_rows, grad_gate, grad_up, ctx.activation)
-        for reused, buffer in ((ctx.reuse_gate, gate_rows), (ctx.reuse_up, up_rows)):
+        gate, up = ctx.saved_tensors
+        grad_gate = gate if ctx.reuse_gate else torch.empty_like(gate, memory_format=torch.contiguous_format)
+        grad_up = up if ctx.reuse_up else torch.empty_like(up, memory_format=torch.contiguous_format)
+        _glu_backward(grad_out, gate, up, grad_gate, grad_up, ctx.activation)
+        for reused, buffer in ((ctx.reuse_gate, gate), (ctx.reuse_up, up)):
             if reused:
                 torch.autograd.graph.increment_version(buffer)
         ctx.buffers_consumed = ctx.reuse_gate or ctx.reuse_up
-        return grad_gate.view(ctx.shape), grad_up.view(ctx.shape), None, None, None, None
+        if grad_gate.shape != ctx.shape:  # [rows, cols] copies or views of a strided gate/up
+            grad_gate, grad_up = grad_gate.view(ctx.shape), grad_up.view(ctx.shape)
+        return grad_gate, grad_up, None, None, None, None
 
 
 # --- torch.compile: the same launches as custom ops (ops/_shared/compiled.py says why) ---------------
@@ -241,12 +259,10 @@ def _glu_backward_op(
     grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d_gate, d_up) in fresh contiguous buffers of gate's shape (no in-place reuse when compiled)."""
-    gate_rows, _ = _as_rows(gate)
-    up_rows, _ = _as_rows(up)
-    grad_gate = torch.empty_like(gate_rows, memory_format=torch.contiguous_format)
-    grad_up = torch.empty_like(up_rows, memory_format=torch.contiguous_format)
-    _glu_backward(grad_out, gate_rows, up_rows, grad_gate, grad_up, activation)
-    return grad_gate.view(gate.shape), grad_up.view(gate.shape)
+    grad_gate = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    grad_up = torch.empty_like(up, memory_format=torch.contiguous_format)
+    _glu_backward(grad_out, gate, up, grad_gate, grad_up, activation)
+    return grad_gate, grad_up
 
 
 @_glu_backward_op.register_fake
@@ -299,11 +315,11 @@ def _glu(gate: torch.Tensor, up: torch.Tensor, activation: int, inplace_backward
     check_device_supported("gate", gate)
     if compiling():
         return _glu_op(gate, up, activation)
-    shares_storage = gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr()
     inplace_backward = bool(inplace_backward)
-    reusable = inplace_backward and not shares_storage
-    gate_reusable = reusable and _is_private_activation(gate)
-    up_reusable = reusable and _is_private_activation(up)
+    gate_reusable = inplace_backward and _is_private_activation(gate)
+    up_reusable = inplace_backward and _is_private_activation(up)
+    if (gate_reusable or up_reusable) and gate.untyped_storage().data_ptr() == up.untyped_storage().data_ptr():
+        gate_reusable = up_reusable = False  # one storage: writing one gradient would clobber the other input
     return _GLUFunction.apply(gate, up, activation, inplace_backward, gate_reusable, up_reusable)
 
 

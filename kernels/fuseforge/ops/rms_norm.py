@@ -139,8 +139,9 @@ def _rms_norm_forward(x, residual, weight, eps, offset, casting):
     torch_compute, tl_compute = compute_dtype(x, weight)
     n_cols = x.shape[-1]
     n_rows = math.prod(x.shape[:-1])
-    y = torch.empty(x.shape, dtype=_output_dtype(x, weight, casting), device=x.device)
-    new_residual = torch.empty(x.shape, dtype=x.dtype, device=x.device) if fused else None
+    # empty_like: cheaper on the host than torch.empty(shape, dtype=, device=), and this op is host-bound
+    y = torch.empty_like(x, dtype=_output_dtype(x, weight, casting), memory_format=torch.contiguous_format)
+    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format) if fused else None
     rstd = torch.empty(n_rows, dtype=torch_compute, device=x.device)
     weight = weight.contiguous()
     source = new_residual if fused else x  # the tensor that gets normalized
@@ -206,7 +207,7 @@ def _rms_norm_backward(source, weight, rstd, dy, d_new_residual, need_dx, need_d
     split = split_backward(n_cols)
     fused_dw = need_dw and not split  # split: param_grads reduces dw down the columns instead
     plan = plan_row_tiles(n_rows, n_cols, source.device, persistent=fused_dw)
-    dx = torch.empty((n_rows, n_cols), dtype=source.dtype, device=source.device) if need_dx else dy_rows
+    dx = torch.empty_like(source, memory_format=torch.contiguous_format) if need_dx else dy_rows
     dw_partial = (
         torch.empty((plan.num_programs, n_cols), dtype=torch_compute, device=source.device) if fused_dw else rstd
     )

@@ -157,8 +157,8 @@ def _rope_kernel(
 
 def _bhtd_strides(x: torch.Tensor, heads_dim: int) -> tuple[int, int, int, int]:
     """Strides of `x` in (batch, head, token, dim) order, whichever of dims 1/2 holds the heads."""
-    token_dim = 3 - heads_dim
-    return x.stride(0), x.stride(heads_dim), x.stride(token_dim), x.stride(3)
+    s = x.stride()  # one call, not four: launches are host-bound
+    return s[0], s[heads_dim], s[3 - heads_dim], s[3]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -185,8 +185,9 @@ def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, layout
     tile = _INTERPRETER_TILE if is_interpreter() else _GPU_TILE
     block_half, block_pass, block_hq, block_hk, block_t, num_warps = _tiling(
         n_rows, n_q_heads, n_k_heads, half, head_dim, tile)
-    cos_batch_stride = cos.stride(0) if cos.shape[0] > 1 else 0
-    sin_batch_stride = sin.stride(0) if sin.shape[0] > 1 else 0
+    cos_strides, sin_strides = cos.stride(), sin.stride()
+    cos_batch_stride = cos_strides[0] if cos.shape[0] > 1 else 0
+    sin_batch_stride = sin_strides[0] if sin.shape[0] > 1 else 0
     # interleaved_to_half maps pairs to halves; its transpose (backward) maps halves back to pairs.
     in_pairs = layout == "interleaved" or (layout == "interleaved_to_half" and not backward)
     out_pairs = layout == "interleaved" or (layout == "interleaved_to_half" and backward)
@@ -197,8 +198,8 @@ def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, layout
         *_bhtd_strides(k, heads_dim),
         *_bhtd_strides(q_out, heads_dim),
         *_bhtd_strides(k_out, heads_dim),
-        cos_batch_stride, cos.stride(1), cos.stride(2),
-        sin_batch_stride, sin.stride(1), sin.stride(2),
+        cos_batch_stride, cos_strides[1], cos_strides[2],
+        sin_batch_stride, sin_strides[1], sin_strides[2],
         n_rows, seq_len, n_q_heads, n_k_heads,
         HALF=half, HEAD_DIM=head_dim, BLOCK_T=block_t,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk,

@@ -113,7 +113,7 @@ def _plan_row_tiles(n_rows: int, n_cols: int, persistent: bool, interpreter: boo
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """`t` as [rows, N] with unit column stride; a view whenever one exists (sliced or
     broadcast rows keep their row stride), otherwise a contiguous copy."""
-    rows = t.reshape(-1, t.shape[-1])
+    rows = t if t.dim() == 2 else t.reshape(-1, t.shape[-1])  # (no reshape call for rows already: host time)
     if rows.shape[1] > 1 and rows.stride(1) != 1:
         rows = rows.contiguous()
     return rows
@@ -280,6 +280,7 @@ def param_grads(
 
 def compute_dtype(*tensors: torch.Tensor | None) -> tuple[torch.dtype, tl.dtype]:
     """fp64 math when any operand is fp64 (exact gradchecks), fp32 otherwise."""
-    if any(t is not None and t.dtype == torch.float64 for t in tensors):
-        return torch.float64, tl.float64
+    for t in tensors:  # a loop, not any(): this runs on every launch
+        if t is not None and t.dtype == torch.float64:
+            return torch.float64, tl.float64
     return torch.float32, tl.float32

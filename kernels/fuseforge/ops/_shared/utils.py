@@ -21,9 +21,18 @@ TRAINING_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_FUSED_SIZE = 65536
 
 
-def is_interpreter() -> bool:
-    """True when Triton runs kernels on the CPU through its interpreter."""
+def _interpret_env() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Triton chooses between compiling and interpreting a kernel when @triton.jit decorates it, i.e. when our
+# op modules are imported: read once, so that launches (host-bound on small ops) skip an environment lookup.
+_INTERPRETED_KERNELS = _interpret_env()
+
+
+def is_interpreter() -> bool:
+    """True when Triton runs our kernels on the CPU through its interpreter (decided at import)."""
+    return _INTERPRETED_KERNELS
 
 
 @functools.lru_cache(maxsize=1024)
@@ -157,7 +166,7 @@ def check_device_supported(name: str, t: torch.Tensor) -> None:
     """Triton kernels need a CUDA tensor, or any CPU tensor under TRITON_INTERPRET=1."""
     if t.device.type == "cuda":
         return
-    if t.device.type == "cpu" and is_interpreter():
+    if t.device.type == "cpu" and is_interpreter() and _interpret_env():  # unset since import: refused too
         return
     hint = " (set TRITON_INTERPRET=1 to run on the CPU through Triton's interpreter)" if t.device.type == "cpu" else ""
     raise ValueError(f"{name} is on {t.device}; fuseforge kernels run on CUDA devices{hint}")
