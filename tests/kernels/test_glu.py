@@ -86,6 +86,24 @@ def test_strided_inputs(device, op_name):
     check_against_reference(op_name, gate_t, up_t, torch.float32)
 
 
+@pytest.mark.parametrize("op_name", list(OPS))
+def test_dense_and_strided_operands_mixed(device, op_name):
+    """Dense operands launch as one flat row, others as [rows, cols] views: one dense and one row-strided
+    input, and a dense forward whose upstream gradient is transposed (the backward takes the rows path)."""
+    gate = torch.randn(4, 6, 45, device=device, requires_grad=True)
+    up = torch.randn(4, 6, 2 * 45, device=device)[..., :45].requires_grad_()
+    check_against_reference(op_name, gate, up, torch.float32)
+    op, reference = OPS[op_name]
+    gate, up = torch.randn(45, 6, device=device, requires_grad=True), torch.randn(45, 6, device=device, requires_grad=True)
+    grad_out = torch.randn(6, 45, device=device).t()
+    assert not grad_out.is_contiguous()
+    grads = torch.autograd.grad(op(gate, up), (gate, up), grad_out)
+    gate64, up64 = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
+    expected = torch.autograd.grad(reference(gate64, up64), (gate64, up64), grad_out.double())
+    for got, want, name in zip(grads, expected, ("gate", "up")):
+        assert_close(got, want, torch.float32, msg=f"{op_name} grad {name}")
+
+
 def _mlp_activations(device, width=40):
     """gate/up as an MLP makes them: non-leaf outputs of projections, with gradients flowing to x."""
     x = torch.randn(5, 16, device=device, requires_grad=True)

@@ -137,6 +137,17 @@ def test_strided_cos_sin_and_mixed_dtypes(device):
     assert q_out.dtype == torch.bfloat16
 
 
+def test_strided_head_dim_and_cos_sin_of_different_layouts(device):
+    """The kernel takes no last-dim strides and one layout for cos and sin: q/k whose head dim is strided,
+    sin laid out unlike cos and cos with a strided last dim are copied first, with the same results."""
+    q = torch.randn(2, 4, 5, 2 * 64, device=device)[..., ::2].requires_grad_()
+    k = torch.randn(2, 2, 5, 3 * 64, device=device)[..., ::3].requires_grad_()
+    cos = torch.randn(1, 5, 2 * 48, device=device)[..., ::2]
+    sin = torch.randn(1, 48, 5, device=device).transpose(1, 2)
+    assert q.stride(-1) == 2 and k.stride(-1) == 3 and cos.stride(-1) == 2 and sin.stride() != cos.stride()
+    check_against_reference(q, k, cos, sin, torch.float32)
+
+
 @pytest.mark.parametrize("tile", [64, 512])
 def test_launch_tiling_does_not_change_results(device, monkeypatch, tile):
     """Small tiles force several programs, partial token blocks and the head loop with a masked tail."""

@@ -72,14 +72,15 @@ def _pair_offsets(d, HALF: tl.constexpr, PAIRS: tl.constexpr):
 @triton.jit
 def _rotate_heads(
     x_ptr, out_ptr,
-    sx_b, sx_h, sx_t, sx_d,
-    so_b, so_h, so_t, so_d,
+    sx_b, sx_h, sx_t,
+    so_b, so_h, so_t,
     b, t, row_mask, cos1, cos2, sin1, sin2, n_heads,
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     FP64: tl.constexpr, IN_PAIRS: tl.constexpr, OUT_PAIRS: tl.constexpr,
 ):
-    """Rotate all heads of one tensor at the positions (b, t) ([BLOCK_T, 1, 1] each).
+    """Rotate all heads of one tensor at the positions (b, t) ([BLOCK_T, 1, 1] each); the last dim of x and
+    out has unit stride (_launch sees to it).
 
     Pair i is read from (x[2i], x[2i+1]) when IN_PAIRS, else from (x[i], x[i + Dr/2]); the
     rotated pair is written to the same kind of positions per OUT_PAIRS.
@@ -95,29 +96,28 @@ def _rotate_heads(
         head_mask = row_mask & (h < n_heads)
         mask = head_mask & d_mask
         x_head = x_pos + h * sx_h
-        x1 = upcast(tl.load(x_head + d1 * sx_d, mask=mask, other=0.0), FP64)
-        x2 = upcast(tl.load(x_head + d2 * sx_d, mask=mask, other=0.0), FP64)
+        x1 = upcast(tl.load(x_head + d1, mask=mask, other=0.0), FP64)
+        x2 = upcast(tl.load(x_head + d2, mask=mask, other=0.0), FP64)
         o1 = x1 * cos1 - x2 * sin1
         o2 = x2 * cos2 + x1 * sin2
         o_head = o_pos + h * so_h
-        tl.store(o_head + e1 * so_d, o1.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(o_head + e2 * so_d, o2.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_head + e1, o1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_head + e2, o2.to(out_ptr.dtype.element_ty), mask=mask)
         if HEAD_DIM > 2 * HALF:
             p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, None, :]
             p_mask = head_mask & (p < HEAD_DIM)
-            passed = tl.load(x_head + p * sx_d, mask=p_mask, other=0.0)
-            tl.store(o_head + p * so_d, passed, mask=p_mask)
+            passed = tl.load(x_head + p, mask=p_mask, other=0.0)
+            tl.store(o_head + p, passed, mask=p_mask)
 
 
 @triton.jit
 def _rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
-    sq_b, sq_h, sq_t, sq_d,
-    sk_b, sk_h, sk_t, sk_d,
-    sqo_b, sqo_h, sqo_t, sqo_d,
-    sko_b, sko_h, sko_t, sko_d,
-    sc_b, sc_t, sc_d,
-    ss_b, ss_t, ss_d,
+    sq_b, sq_h, sq_t,
+    sk_b, sk_h, sk_t,
+    sqo_b, sqo_h, sqo_t,
+    sko_b, sko_h, sko_t,
+    sc_b, sc_t,
     n_rows, seq_len, n_q_heads, n_k_heads,
     HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
@@ -132,33 +132,49 @@ def _rope_kernel(
 
     d = tl.arange(0, BLOCK_HALF)[None, None, :]
     cs_mask = row_mask & (d < HALF)
-    cos_pos = cos_ptr + b * sc_b + t * sc_t
-    sin_pos = sin_ptr + b * ss_b + t * ss_t
-    cos1 = upcast(tl.load(cos_pos + d * sc_d, mask=cs_mask, other=0.0), FP64)
-    sin1 = upcast(tl.load(sin_pos + d * ss_d, mask=cs_mask, other=0.0), FP64)
+    # cos and sin share one layout with a unit last stride (_launch sees to it)
+    position = b * sc_b + t * sc_t
+    cos_pos = cos_ptr + position
+    sin_pos = sin_ptr + position
+    cos1 = upcast(tl.load(cos_pos + d, mask=cs_mask, other=0.0), FP64)
+    sin1 = upcast(tl.load(sin_pos + d, mask=cs_mask, other=0.0), FP64)
     if HALF_COS:
         # HF reads only cos/sin[:Dr/2] (repeat-interleaved): both members of pair i use entry i.
         cos2 = cos1
         sin2 = sin1
     else:
-        cos2 = upcast(tl.load(cos_pos + (d + HALF) * sc_d, mask=cs_mask, other=0.0), FP64)
-        sin2 = upcast(tl.load(sin_pos + (d + HALF) * ss_d, mask=cs_mask, other=0.0), FP64)
+        cos2 = upcast(tl.load(cos_pos + (d + HALF), mask=cs_mask, other=0.0), FP64)
+        sin2 = upcast(tl.load(sin_pos + (d + HALF), mask=cs_mask, other=0.0), FP64)
     if BACKWARD:
         # Transpose of [[cos1, -sin1], [sin2, cos2]]: same kernel with the sines swapped and negated.
         sin1, sin2 = -sin2, -sin1
 
-    _rotate_heads(q_ptr, q_out_ptr, sq_b, sq_h, sq_t, sq_d, sqo_b, sqo_h, sqo_t, sqo_d,
+    _rotate_heads(q_ptr, q_out_ptr, sq_b, sq_h, sq_t, sqo_b, sqo_h, sqo_t,
                   b, t, row_mask, cos1, cos2, sin1, sin2, n_q_heads,
                   HALF, HEAD_DIM, BLOCK_HQ, BLOCK_HALF, BLOCK_PASS, FP64, IN_PAIRS, OUT_PAIRS)
-    _rotate_heads(k_ptr, k_out_ptr, sk_b, sk_h, sk_t, sk_d, sko_b, sko_h, sko_t, sko_d,
+    _rotate_heads(k_ptr, k_out_ptr, sk_b, sk_h, sk_t, sko_b, sko_h, sko_t,
                   b, t, row_mask, cos1, cos2, sin1, sin2, n_k_heads,
                   HALF, HEAD_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, FP64, IN_PAIRS, OUT_PAIRS)
 
 
-def _bhtd_strides(x: torch.Tensor, heads_dim: int) -> tuple[int, int, int, int]:
-    """Strides of `x` in (batch, head, token, dim) order, whichever of dims 1/2 holds the heads."""
-    s = x.stride()  # one call, not four: launches are host-bound
-    return s[0], s[heads_dim], s[3 - heads_dim], s[3]
+def _bht_strides(x: torch.Tensor, heads_dim: int) -> tuple[int, int, int]:
+    """Strides of `x` in (batch, head, token) order, whichever of dims 1/2 holds the heads (dim: unit)."""
+    s = x.stride()  # one call, not three: launches are host-bound
+    return s[0], s[heads_dim], s[3 - heads_dim]
+
+
+def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """`x`, or a contiguous copy when its last dim is strided (HF's q/k and cos/sin never are): the kernel
+    takes no last-dim strides, since every argument costs host time at each launch."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _one_layout(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin with the same strides and a unit last stride (tiny [1 or B, T, Dr] copies when not), so
+    that the kernel takes one set of strides for both."""
+    if cos.stride() != sin.stride() or cos.stride(-1) != 1:
+        return cos.contiguous(), sin.contiguous()
+    return cos, sin
 
 
 @functools.lru_cache(maxsize=4096)
@@ -185,21 +201,19 @@ def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, layout
     tile = _INTERPRETER_TILE if is_interpreter() else _GPU_TILE
     block_half, block_pass, block_hq, block_hk, block_t, num_warps = _tiling(
         n_rows, n_q_heads, n_k_heads, half, head_dim, tile)
-    cos_strides, sin_strides = cos.stride(), sin.stride()
-    cos_batch_stride = cos_strides[0] if cos.shape[0] > 1 else 0
-    sin_batch_stride = sin_strides[0] if sin.shape[0] > 1 else 0
+    cos, sin = _one_layout(cos, sin)
+    cos_strides = cos.stride()
     # interleaved_to_half maps pairs to halves; its transpose (backward) maps halves back to pairs.
     in_pairs = layout == "interleaved" or (layout == "interleaved_to_half" and not backward)
     out_pairs = layout == "interleaved" or (layout == "interleaved_to_half" and backward)
     grid = (triton.cdiv(n_rows, block_t),)
     _rope_kernel[grid](
         q, k, q_out, k_out, cos, sin,
-        *_bhtd_strides(q, heads_dim),
-        *_bhtd_strides(k, heads_dim),
-        *_bhtd_strides(q_out, heads_dim),
-        *_bhtd_strides(k_out, heads_dim),
-        cos_batch_stride, cos_strides[1], cos_strides[2],
-        sin_batch_stride, sin_strides[1], sin_strides[2],
+        *_bht_strides(q, heads_dim),
+        *_bht_strides(k, heads_dim),
+        *_bht_strides(q_out, heads_dim),
+        *_bht_strides(k_out, heads_dim),
+        cos_strides[0] if cos.shape[0] > 1 else 0, cos_strides[1],
         n_rows, seq_len, n_q_heads, n_k_heads,
         HALF=half, HEAD_DIM=head_dim, BLOCK_T=block_t,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
@@ -213,12 +227,14 @@ def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, layout
 def _rope_forward(q, k, cos, sin, heads_dim, layout):
     # empty_like keeps q's memory layout (e.g. [B, T, H, D] under a transposed view), as HF's
     # elementwise formula would, so attention kernels downstream see the same strides.
+    q, k = _unit_last_stride(q), _unit_last_stride(k)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     _launch(q, k, q_out, k_out, cos, sin, heads_dim, backward=False, layout=layout)
     return q_out, k_out
 
 
 def _rope_backward(grad_q_out, grad_k_out, cos, sin, heads_dim, layout):
+    grad_q_out, grad_k_out = _unit_last_stride(grad_q_out), _unit_last_stride(grad_k_out)
     grad_q, grad_k = torch.empty_like(grad_q_out), torch.empty_like(grad_k_out)
     _launch(grad_q_out, grad_k_out, grad_q, grad_k, cos, sin, heads_dim, backward=True, layout=layout)
     return grad_q, grad_k
