@@ -152,8 +152,10 @@ class _TorchOptimized(Strategy):
         read and a rewrite."""
         if self.spec.grad_clip <= 0 or not optim.divides_by_grad_scale(self.optimizer):
             return False
-        # in fp32 whatever the gradients' dtype (a bf16 norm would be off by up to 0.4%)
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in self._gradients()]
+        # in fp32 whatever the gradients' dtype (a bf16 norm would be off by up to 0.4%), in one multi-tensor
+        # launch (torch's foreach norm; clip_grad_norm_'s would return bf16 norms for bf16 gradients)
+        gradients = self._gradients()
+        norms = torch._foreach_norm(gradients, 2, dtype=torch.float32) if gradients else []
         norm = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
         # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); dividing by its inverse is the same
         self.optimizer.grad_scale = torch.clamp((norm + 1e-6) / self.spec.grad_clip, min=1.0).to(torch.float32)
