@@ -413,6 +413,22 @@ def test_custom_loss_function_is_respected():
     with pytest.warns(RuntimeWarning, match="ZeRO-3"):
         assert model(**batch).logits is not None
     ff.unpatch(model)
+    del model.lm_head.weight.ds_id
+
+
+def test_zero3_lm_head_registered_as_external_parameter_keeps_the_fused_loss():
+    """A ZeRO-3 head weight registered with the causal LM (DeepSpeed's protocol for a weight read outside its
+    module, which gathers it for the model's whole forward and backward) keeps the fused loss."""
+    deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed not installed (optional extra)")
+    model = tiny_model("llama").train()
+    batch = synthetic_batches(1)[0]
+    ff.apply_kernels(model)
+    model.lm_head.weight.ds_id = 0
+    deepspeed.zero.register_external_parameter(model, model.lm_head.weight)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert model(**batch).logits is None
+    ff.unpatch(model)
 
 
 def test_rope_global_is_restored_when_the_last_patched_model_is_collected():

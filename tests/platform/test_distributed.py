@@ -215,3 +215,22 @@ def test_zero3_in_process_leaves_torch_linear_as_it_was(deepspeed_on_cpu):
     original = torch.nn.functional.linear
     train(_spec(steps=1, batch_size=2, strategy="deepspeed", zero_stage=3))
     assert torch.nn.functional.linear is original
+
+
+@pytest.mark.parametrize("strategy,extra", [("fsdp", {}), ("deepspeed", {"zero_stage": 3})], ids=["fsdp", "zero3"])
+def test_fused_loss_gives_the_unfused_lm_head_gradient_under_sharding(strategy, extra, request):
+    """benchmarks/bench_scaling.py's lm-head check on gloo: with lm_head sharded (FSDP2) or partitioned (ZeRO-3),
+    the fused loss runs (its calls counted: a fallback would leave 0) and the whole lm_head gradient it gives
+    equals the unfused loss's."""
+    import sys
+
+    if strategy == "deepspeed":
+        request.getfixturevalue("deepspeed_on_cpu")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    from bench_scaling import compare_lm_head_gradients
+
+    result = compare_lm_head_gradients(_spec(strategy=strategy, batch_size=1, **extra), 2, start_method="fork")
+    assert result["fused_calls"] == 1 and result["unfused_run_fused_calls"] == 0
+    assert result["max_abs_gradient"] > 0
+    assert result["max_abs_difference"] <= 1e-5 * result["max_abs_gradient"], result
+    assert result["loss_fused"] == pytest.approx(result["loss_unfused"], rel=1e-5)

@@ -21,7 +21,8 @@ with the head `lm_head_of` finds, then call the stock loss, with none of those l
 
 The forward falls back to logits (with a warning) when the fused loss cannot stand in:
 a custom `loss_function`, an `lm_head` replaced after patching, or DeepSpeed ZeRO-3
-partitioned head weights.
+partitioned head weights that are not registered as an external parameter of the model
+(`deepspeed.zero.register_external_parameter`, as fuseforge's platform does).
 """
 
 from __future__ import annotations
@@ -259,11 +260,19 @@ def _fallback_reason(model: nn.Module) -> str | None:
     head = lm_head_of(model)
     if not isinstance(head, FusedLossHeadMixin):
         return "has an lm_head that was replaced after apply_kernels"
-    if hasattr(head.weight, "ds_id"):
+    if hasattr(head.weight, "ds_id") and not _gathered_for(model, head.weight):
         # DeepSpeed ZeRO-3 re-gathers a module's weights for backward through hooks on that module's
         # outputs; the placeholder the head returns is not in the loss graph, so they would be missing.
-        return "has DeepSpeed ZeRO-3 partitioned lm_head weights"
+        return ("has DeepSpeed ZeRO-3 partitioned lm_head weights (register them with "
+                "deepspeed.zero.register_external_parameter(model, lm_head.weight) to keep the fused loss)")
     return None
+
+
+def _gathered_for(model: nn.Module, weight: nn.Parameter) -> bool:
+    """Whether ZeRO-3 gathers `weight` for the whole of `model`'s forward and backward: registered as an
+    external parameter of `model` (DeepSpeed's protocol for a weight used outside its module), and whole now."""
+    external = getattr(model, "ds_external_parameters", None)
+    return external is not None and weight.numel() > 0 and any(p is weight for _, p in external())
 
 
 def _fused_forward(self, original, args: tuple, kwargs: dict):
