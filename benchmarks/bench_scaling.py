@@ -71,18 +71,21 @@ def scaling(args) -> List[Dict]:
     rows = []
     for name in args.strategies:
         for kernels in (False, True):
-            one = _run(_spec(args, kernels=kernels, grad_accum=args.gpus, **STRATEGIES[name]), 1, args)
             many = _run(_spec(args, kernels=kernels, **STRATEGIES[name]), args.gpus, args)
             row = dict(part="scaling", strategy=name, kernels=kernels, gpus=args.gpus,
-                       tokens_per_step=many.tokens_per_step,
-                       tokens_per_s_1=one.tokens_per_s, tokens_per_s_n=many.tokens_per_s,
-                       tokens_per_s_per_gpu=many.tokens_per_s / args.gpus,
-                       scaling_efficiency=many.tokens_per_s / (args.gpus * one.tokens_per_s),
-                       peak_gib_1=one.peak_memory_gib, peak_gib_per_gpu=many.peak_memory_gib,
-                       step_p50_s_1=one.step_time_p50_s, step_p50_s_n=many.step_time_p50_s,
-                       mfu_n=many.mfu, loss_curve_1=one.loss_curve, loss_curve_n=many.loss_curve,
-                       loss_max_difference=_max_difference(one.loss_curve, many.loss_curve),
+                       tokens_per_step=many.tokens_per_step, tokens_per_s_n=many.tokens_per_s,
+                       tokens_per_s_per_gpu=many.tokens_per_s / args.gpus, peak_gib_per_gpu=many.peak_memory_gib,
+                       step_p50_s_n=many.step_time_p50_s, mfu_n=many.mfu, loss_curve_n=many.loss_curve,
                        kernels_patched=list(many.kernels_patched))
+            try:  # the same global batch on one GPU (a model that needs sharding may not fit there)
+                one = _run(_spec(args, kernels=kernels, grad_accum=args.gpus, **STRATEGIES[name]), 1, args)
+            except Exception as exc:  # noqa: BLE001 - recorded in the row; the N-GPU numbers stand
+                row["single_gpu_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            else:
+                row.update(tokens_per_s_1=one.tokens_per_s, peak_gib_1=one.peak_memory_gib,
+                           step_p50_s_1=one.step_time_p50_s, loss_curve_1=one.loss_curve,
+                           scaling_efficiency=many.tokens_per_s / (args.gpus * one.tokens_per_s),
+                           loss_max_difference=_max_difference(one.loss_curve, many.loss_curve))
             print(json.dumps({k: v for k, v in row.items() if "curve" not in k}), flush=True)
             rows.append(row)
     return rows

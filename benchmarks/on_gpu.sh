@@ -113,6 +113,18 @@ mc = torch.compile(m); mc(x).float().sum().backward(); print('compiled ok')" ;;
             -k "not training_inputs_reject" ;;  # those need flytekit, which the GPU image lacks
         model-1b) STEP_TIMEOUT=300 run_step "$step" python3 benchmarks/bench_model.py --variants liger fuseforge \
             --json "$OUT/model-1b.json" ;;
+        # Issue 23, on a multi-GPU kind (every visible GPU). DeepSpeed is not in the GPU image: carry its wheel and
+        # those of hjson, py-cpuinfo, msgpack, einops and ninja in .whl/ (pip wheel --no-deps deepspeed==0.19.8 builds
+        # the pure-Python wheel; pip download the others for cp312 manylinux).
+        scaling-ddp-fsdp) STEP_TIMEOUT=590 run_step "$step" python3 benchmarks/bench_scaling.py --parts scaling \
+            --strategies ddp fsdp --steps 20 --json "$OUT/$step.json" ;;
+        scaling-zero12|scaling-zero3) zero=${step#scaling-}; [ "$zero" = zero12 ] && zero="zero1 zero2"
+            STEP_TIMEOUT=590 run_step "$step" python3 benchmarks/bench_scaling.py --parts scaling --strategies $zero \
+            --steps 20 --json "$OUT/$step.json" ;;
+        scaling-8b) STEP_TIMEOUT=590 run_step "$step" python3 benchmarks/bench_scaling.py --parts scaling \
+            --strategies fsdp zero3 --model llama3-8b --batch 1 --seq 4096 --steps 12 --json "$OUT/$step.json" ;;
+        lm-head-elastic) STEP_TIMEOUT=590 run_step "$step" python3 benchmarks/bench_scaling.py --parts lm-head elastic \
+            --strategies fsdp zero3 --json "$OUT/$step.json" ;;
         engine-1b-eager|engine-1b-compile) compile=--no-compile; [ "$step" = engine-1b-compile ] && compile=--compile
             STEP_TIMEOUT=200 run_step "$step" python3 -m fuseforge_flyte.training --model llama-1b \
             --dataset bench:synthetic --steps 40 --batch-size 4 --seq-len 2048 --dtype bf16 --kernels --plan off $compile \
