@@ -142,7 +142,7 @@ def _lm_head_worker(spec_fields: Dict, fused: bool, path: str) -> Dict:
         grad = _full_lm_head_grad(strategy)
         if ctx.rank == 0:
             torch.save(grad, path)
-        return dict(rank=ctx.rank, fused_calls=calls["fused"], loss=float(loss))
+        return dict(rank=ctx.rank, fused_calls=calls["fused"], loss=float(loss.detach()))
     finally:
         loss_module.fused_linear_cross_entropy = counted
         if strategy is not None:
