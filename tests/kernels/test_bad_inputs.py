@@ -562,6 +562,7 @@ def _spec(**fields):
 
 
 def _workflow(name, **inputs):
+    pytest.importorskip("flytekit", reason="the platform extra is not installed (e.g. the GPU image)")
     from fuseforge_flyte import workflows
 
     return getattr(workflows, name)(**inputs)
@@ -569,6 +570,7 @@ def _workflow(name, **inputs):
 
 def _prepare(c, name, text=None, model="tiny-llama", tokenizer=""):
     """The data layer's preparation (what the Flyte prepare_data task and the engine run)."""
+    pytest.importorskip("datasets", reason="the platform extra is not installed (e.g. the GPU image)")
     from fuseforge_flyte.data.prepare import prepare
     from fuseforge_flyte.data.spec import DataSpec
 
