@@ -175,7 +175,7 @@ def dynamo_stats() -> dict:
     from torch._dynamo.utils import counters
 
     return {"stats": dict(counters["stats"]), "graph_break": sum(counters["graph_break"].values()),
-            "recompiles": sum(v for k, v in counters["recompiles"].items())} if counters else {}
+            "recompiles": sum(counters["recompiles"].values())} if counters else {}
 
 
 def print_kernel_profile(model, opt, ids, variant: str, steps: int = 2, rows: int = 25) -> None:

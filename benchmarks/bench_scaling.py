@@ -155,19 +155,14 @@ def compare_lm_head_gradients(spec, nproc: int, start_method: str = "spawn") -> 
     how often the fused loss ran in each, both losses, and how far apart the whole lm_head gradients are."""
     from dataclasses import asdict
 
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from fuseforge_flyte.training.local import _free_port
+    from fuseforge_flyte.training.local import launch_local
 
     fields = {k: v for k, v in asdict(spec).items() if k != "output_dir"}
     runs, grads = {}, {}
     with tempfile.TemporaryDirectory() as root:
         for fused in (False, True):
-            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, rdzv_backend="c10d",
-                                  rdzv_endpoint=f"127.0.0.1:{_free_port()}", start_method=start_method,
-                                  monitor_interval=0.1)
             path = os.path.join(root, f"lm_head_grad_{fused}.pt")
-            runs[fused] = elastic_launch(config, _lm_head_worker)(fields, fused, path)[0]
+            runs[fused] = launch_local(_lm_head_worker, nproc, fields, fused, path, start_method=start_method)[0]
             grads[fused] = torch.load(path, weights_only=True).double()
     reference, got = grads[False], grads[True]
     return dict(fused_calls=runs[True]["fused_calls"], unfused_run_fused_calls=runs[False]["fused_calls"],

@@ -169,13 +169,9 @@ def _fsdp_guard_worker():
 
 
 def test_fsdp_lm_head_guard():
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from fuseforge_flyte.training.local import launch_local
 
-    from fuseforge_flyte.training.local import _free_port
-
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d",
-                          rdzv_endpoint=f"127.0.0.1:{_free_port()}", start_method="fork", monitor_interval=0.1)
-    assert elastic_launch(config, _fsdp_guard_worker)() == {0: True, 1: True}
+    assert launch_local(_fsdp_guard_worker, 2, start_method="fork") == {0: True, 1: True}
 
 
 def test_zero3_lm_head_guard(deepspeed_on_cpu, monkeypatch):

@@ -65,18 +65,12 @@ def _one_thread(one_torch_thread):
 
 
 def _launch(fn, *args):
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from fuseforge_flyte.training.local import launch_local
 
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("two workers on a CUDA machine take one GPU each; this one has fewer")
-
-    from fuseforge_flyte.training.local import _free_port
-
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d", max_restarts=0,
-                          rdzv_endpoint=f"127.0.0.1:{_free_port()}", monitor_interval=0.1,
-                          # fork is fast, but a child of a process that has used CUDA cannot use it
-                          start_method="spawn" if torch.cuda.is_initialized() else "fork")
-    return elastic_launch(config, fn)(*args)
+    # fork is fast, but a child of a process that has used CUDA cannot use it
+    return launch_local(fn, 2, *args, start_method="spawn" if torch.cuda.is_initialized() else "fork")
 
 
 def _partition_everything() -> None:

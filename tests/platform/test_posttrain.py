@@ -141,19 +141,15 @@ def _ddp_worker(out: str, kernels: bool):
 def test_two_ddp_workers_train_on_the_fused_loss_with_synchronised_replicas(scored):
     """Under DDP the fused loss runs inside the wrapper's forward: gradients are all-reduced, so both ranks
     hold the same weights after training, and the losses are the unfused DDP run's."""
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from fuseforge_flyte.training.local import _free_port
+    from fuseforge_flyte.training.local import launch_local
 
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("two workers on a CUDA machine take one GPU each; this one has fewer")
     _, _, out = scored
     results = {}
     for kernels in (True, False):
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=2, rdzv_backend="c10d", max_restarts=0,
-                              rdzv_endpoint=f"127.0.0.1:{_free_port()}", monitor_interval=0.1,
-                              start_method="spawn" if torch.cuda.is_initialized() else "fork")
-        results[kernels] = elastic_launch(config, _ddp_worker)(out, kernels)
+        results[kernels] = launch_local(_ddp_worker, 2, out, kernels,
+                                        start_method="spawn" if torch.cuda.is_initialized() else "fork")
     fused, plain = results[True], results[False]
     assert all(r["fused"] and r["world"] == 2 and r["replicas_equal"] for r in fused.values()), fused
     assert fused[0]["loss"] == pytest.approx(plain[0]["loss"], abs=2e-4)

@@ -110,6 +110,7 @@ class MasterAdamW(torch.optim.AdamW):
             if group["amsgrad"] or group["maximize"]:
                 raise ValueError("MasterAdamW supports neither amsgrad nor maximize")
             beta1, beta2 = group["betas"]
+            lr = float(group["lr"])
             for master in group["params"]:
                 grad = self.gradient_of(master)
                 if grad is None:
@@ -123,7 +124,6 @@ class MasterAdamW(torch.optim.AdamW):
                     state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
                 state["step"] += 1
                 step = float(state["step"])
-                lr = float(group["lr"])
                 n = master.numel()
                 if n == 0:
                     continue

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from typing import Dict, Optional
+from typing import Any, Callable, Dict, Optional, TypeVar
 
 import torch
 
@@ -19,6 +19,8 @@ from fuseforge_flyte.training.distributed import SHARED_STORE_ENV
 from fuseforge_flyte.training.engine import train
 from fuseforge_flyte.training.environ import environment
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
+
+T = TypeVar("T")
 
 
 def _free_port() -> int:
@@ -42,16 +44,23 @@ def run_local(spec: TrainSpec, nproc: int = 2, *, max_restarts: int = 0, start_m
     start_method "fork" starts in a fraction of a second but needs a parent that has
     not initialised CUDA; "spawn" re-imports torch/transformers in each worker.
     """
+    spec.validate()
+    with environment({SHARED_STORE_ENV: "1"}), permanent.failure_directory():
+        results = launch_local(_worker, nproc, spec, threads_per_worker, max_restarts=max_restarts,
+                               start_method=start_method)
+    for result in results.values():
+        permanent.raise_if_failed(result)
+    return results
+
+
+def launch_local(fn: Callable[..., T], nproc: int, *args: Any, max_restarts: int = 0,
+                 start_method: str = "spawn") -> Dict[int, T]:
+    """`fn(*args)` on `nproc` local workers through torch elastic (RANK, WORLD_SIZE... set): {rank: result}."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    spec.validate()
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"fuseforge-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=max_restarts,
         start_method=start_method, monitor_interval=0.1,
     )
-    with environment({SHARED_STORE_ENV: "1"}), permanent.failure_directory():
-        results = elastic_launch(config, _worker)(spec, threads_per_worker)
-    for result in results.values():
-        permanent.raise_if_failed(result)
-    return results
+    return elastic_launch(config, fn)(*args)
