@@ -393,3 +393,72 @@ def test_interleaved_to_half_matches_transformers_deepseek_v3(device):
     cos, sin = DeepseekV3RotaryEmbedding(config).to(device)(q, position_ids)
     ours = rope(q, k, cos, sin, layout="interleaved_to_half")
     assert_same_as_transformers(ours, apply_rotary_pos_emb_interleave(q, k, cos, sin), (q_states, k))
+
+
+class _LaunchCounter:
+    """Stands in for a Triton kernel: counts `kernel[grid]` launches and runs the real one."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def _odd_batch_stride(x):
+    """`x` (batch 1) with a batch stride no dense tensor has: it must not matter, as for torch's contiguity."""
+    return x.detach().as_strided(x.shape, (7,) + x.stride()[1:]).requires_grad_()
+
+
+@pytest.mark.parametrize(
+    "case,compact_launches",
+    [
+        ("hf", 2), ("contiguous", 2), ("hf_q_contiguous_k", 2), ("bthd", 2), ("batch_1_odd_stride", 2),
+        ("cos_per_batch", 2), ("single_token", 2),
+        # the forward reads strided q/k (general kernel); their gradients are fresh dense tensors
+        ("fused_qkv", 1), ("padded_batch", 1), ("every_other_token", 1),
+        # dense, but neither [B, T, H, D] nor [B, H, T, D] in memory
+        ("sequence_first", 0), ("heads_first", 0), ("batch_innermost", 0),
+        # cos/sin sliced out of a wider buffer: their token stride is not the rotary width
+        ("cos_sin_slices", 0),
+    ],
+)
+def test_dense_layouts_take_the_compact_kernel(device, monkeypatch, case, compact_launches):
+    """Dense q/k launch the kernel that derives strides from the shapes (8 arguments); anything else the
+    general one; both give the reference's values and gradients."""
+    compact = _LaunchCounter(rope_module._rope_dense_kernel)
+    general = _LaunchCounter(rope_module._rope_kernel)
+    monkeypatch.setattr(rope_module, "_rope_dense_kernel", compact)
+    monkeypatch.setattr(rope_module, "_rope_kernel", general)
+    batch, seq, unsqueeze_dim = 2, 5, 1
+    layout = {"contiguous": "contiguous", "bthd": "bthd", "fused_qkv": "fused_qkv"}.get(case, "hf")
+    if case == "bthd":
+        unsqueeze_dim = 2
+    if case in ("batch_1_odd_stride", "every_other_token"):
+        batch = 1
+    if case == "single_token":
+        seq = 1
+    q, k = make_qk(batch, seq, 4, 2, 32, torch.float32, device, layout)
+    if case == "hf_q_contiguous_k":
+        k = k.detach().contiguous().requires_grad_()
+    if case == "batch_1_odd_stride":
+        q, k = _odd_batch_stride(q), _odd_batch_stride(k)
+    if case == "padded_batch":  # dense but for the batch stride: [B, T + 1, H, D][:, :T]
+        q, k = (torch.randn(batch, seq + 1, h, 32, device=device)[:, :seq].transpose(1, 2).requires_grad_()
+                for h in (4, 2))
+    if case == "sequence_first":  # memory [T, B, H, D]
+        q, k = (torch.randn(seq, batch, h, 32, device=device).permute(1, 2, 0, 3).requires_grad_() for h in (4, 2))
+    if case == "heads_first":  # memory [H, B, T, D]
+        q, k = (torch.randn(h, batch, seq, 32, device=device).transpose(0, 1).requires_grad_() for h in (4, 2))
+    if case == "batch_innermost":  # memory [H, T, B, D] with B == H: a token stride of H * D, as [B, T, H, D]'s
+        q, k = (torch.randn(4, seq, 4, 32, device=device).permute(2, 0, 1, 3).requires_grad_() for _ in "qk")
+    if case == "every_other_token":  # head stride as dense, token stride not
+        q, k = (torch.randn(batch, 2 * seq, h, 32, device=device)[:, ::2].transpose(1, 2).requires_grad_()
+                for h in (4, 2))
+    cos, sin = make_cos_sin(batch if case == "cos_per_batch" else 1, seq, 24, torch.float32, device)
+    if case == "cos_sin_slices":
+        cos = torch.cat((cos, torch.randn_like(cos)), dim=-1)[..., :24]
+        sin = torch.cat((torch.randn_like(sin), sin), dim=-1)[..., 24:]
+    check_against_reference(q, k, cos, sin, torch.float32, unsqueeze_dim=unsqueeze_dim)
+    assert (compact.launches, general.launches) == (compact_launches, 2 - compact_launches)

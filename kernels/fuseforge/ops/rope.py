@@ -111,7 +111,7 @@ def _rotate_heads(
 
 
 @triton.jit
-def _rope_kernel(
+def _rope_block(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
     sq_b, sq_h, sq_t,
     sk_b, sk_h, sk_t,
@@ -125,6 +125,7 @@ def _rope_kernel(
     BACKWARD: tl.constexpr, FP64: tl.constexpr, HALF_COS: tl.constexpr,
     IN_PAIRS: tl.constexpr, OUT_PAIRS: tl.constexpr,
 ):
+    """One program's block of (batch, token) rows, every head of q and k there."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = (rows < n_rows)[:, None, None]
     b = (rows // seq_len)[:, None, None]
@@ -157,6 +158,71 @@ def _rope_kernel(
                   HALF, HEAD_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, FP64, IN_PAIRS, OUT_PAIRS)
 
 
+@triton.jit
+def _rope_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
+    sq_b, sq_h, sq_t,
+    sk_b, sk_h, sk_t,
+    sqo_b, sqo_h, sqo_t,
+    sko_b, sko_h, sko_t,
+    sc_b, sc_t,
+    n_rows, seq_len, n_q_heads, n_k_heads,
+    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BACKWARD: tl.constexpr, FP64: tl.constexpr, HALF_COS: tl.constexpr,
+    IN_PAIRS: tl.constexpr, OUT_PAIRS: tl.constexpr,
+):
+    """Any q/k/output strides (unit last dim)."""
+    _rope_block(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
+                sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t, sc_b, sc_t,
+                n_rows, seq_len, n_q_heads, n_k_heads,
+                HALF, HEAD_DIM, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_PASS,
+                BACKWARD, FP64, HALF_COS, IN_PAIRS, OUT_PAIRS)
+
+
+@triton.jit(do_not_specialize=["n_rows", "seq_len"])
+def _rope_dense_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, n_rows, seq_len,
+    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    BACKWARD: tl.constexpr, FP64: tl.constexpr, HALF_COS: tl.constexpr,
+    IN_PAIRS: tl.constexpr, OUT_PAIRS: tl.constexpr,
+    N_Q_HEADS: tl.constexpr, N_K_HEADS: tl.constexpr, Q_T_MAJOR: tl.constexpr, K_T_MAJOR: tl.constexpr,
+    COS_BATCHED: tl.constexpr,
+):
+    """Dense q/k ([B, T, H, D] as HF's projections give, or [B, H, T, D]), outputs laid out as their inputs,
+    compact cos/sin: the strides follow from the shapes, so a launch binds 8 arguments instead of 24 (the
+    binder's per-argument cost dominates this small op's host time)."""
+    # strides in (batch, head, token) order; the constant ones stay constexpr so that loads vectorise
+    tokens = seq_len.to(tl.int64)
+    sq_b = tokens * (N_Q_HEADS * HEAD_DIM)
+    sk_b = tokens * (N_K_HEADS * HEAD_DIM)
+    if Q_T_MAJOR:
+        sq_h: tl.constexpr = HEAD_DIM
+        sq_t: tl.constexpr = N_Q_HEADS * HEAD_DIM
+    else:
+        sq_h = tokens * HEAD_DIM
+        sq_t: tl.constexpr = HEAD_DIM
+    if K_T_MAJOR:
+        sk_h: tl.constexpr = HEAD_DIM
+        sk_t: tl.constexpr = N_K_HEADS * HEAD_DIM
+    else:
+        sk_h = tokens * HEAD_DIM
+        sk_t: tl.constexpr = HEAD_DIM
+    sc_t: tl.constexpr = 2 * HALF
+    if COS_BATCHED:
+        sc_b = tokens * sc_t
+    else:
+        sc_b: tl.constexpr = 0
+    _rope_block(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
+                sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sc_b, sc_t,
+                n_rows, seq_len, N_Q_HEADS, N_K_HEADS,
+                HALF, HEAD_DIM, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_PASS,
+                BACKWARD, FP64, HALF_COS, IN_PAIRS, OUT_PAIRS)
+
+
 def _bht_strides(x: torch.Tensor, heads_dim: int) -> tuple[int, int, int]:
     """Strides of `x` in (batch, head, token) order, whichever of dims 1/2 holds the heads (dim: unit)."""
     s = x.stride()  # one call, not three: launches are host-bound
@@ -178,8 +244,10 @@ def _one_layout(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 @functools.lru_cache(maxsize=4096)
-def _tiling(n_rows: int, n_q_heads: int, n_k_heads: int, half: int, head_dim: int, tile: int) -> tuple:
-    """Block sizes and warps (cached: planning costs host time comparable to the launch itself)."""
+def _plan(n_rows: int, n_q_heads: int, n_k_heads: int, half: int, head_dim: int, tile: int, backward: bool,
+          fp64: bool, layout: str) -> tuple:
+    """(grid, num_warps, the constexprs both kernels share, in their order); cached: planning costs host time
+    comparable to the launch itself."""
     block_half = triton.next_power_of_2(half)
     block_pass = triton.next_power_of_2(max(head_dim - 2 * half, 1))
     heads_per_tile = max(1, tile // block_half)
@@ -188,7 +256,24 @@ def _tiling(n_rows: int, n_q_heads: int, n_k_heads: int, half: int, head_dim: in
     block_t = max(1, tile // (block_hq * block_half))
     block_t = min(block_t, triton.next_power_of_2(n_rows))
     num_warps = min(16, max(1, block_t * block_hq * block_half // (32 * _GPU_ELEMENTS_PER_THREAD)))
-    return block_half, block_pass, block_hq, block_hk, block_t, num_warps
+    # interleaved_to_half maps pairs to halves; its transpose (backward) maps halves back to pairs.
+    in_pairs = layout == "interleaved" or (layout == "interleaved_to_half" and not backward)
+    out_pairs = layout == "interleaved" or (layout == "interleaved_to_half" and backward)
+    constexprs = (half, head_dim, block_t, block_hq, block_hk, block_half, block_pass,
+                  backward, fp64, layout != "rotate_half", in_pairs, out_pairs)
+    return (triton.cdiv(n_rows, block_t),), num_warps, constexprs
+
+
+def _dense_major(strides: tuple, heads_dim: int, n_heads: int, seq_len: int, head_dim: int):
+    """For a dense q or k (unit last stride): True when laid out [B, T, H, D], as HF's projections give, False
+    for [B, H, T, D], None for any other order (e.g. [T, B, H, D]). A dense tensor's batch stride follows
+    from the other two; as for torch's contiguity, a size-1 dim's stride does not matter."""
+    s_h, s_t = strides[heads_dim], strides[3 - heads_dim]
+    if (n_heads == 1 or s_h == head_dim) and (seq_len == 1 or s_t == n_heads * head_dim):
+        return True
+    if (n_heads == 1 or s_h == seq_len * head_dim) and (seq_len == 1 or s_t == head_dim):
+        return False
+    return None
 
 
 def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, layout: str) -> None:
@@ -199,27 +284,34 @@ def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, layout
         return
     half = cos.shape[-1] // 2
     tile = _INTERPRETER_TILE if is_interpreter() else _GPU_TILE
-    block_half, block_pass, block_hq, block_hk, block_t, num_warps = _tiling(
-        n_rows, n_q_heads, n_k_heads, half, head_dim, tile)
+    grid, num_warps, constexprs = _plan(
+        n_rows, n_q_heads, n_k_heads, half, head_dim, tile, backward, q_out.dtype == torch.float64, layout)
     cos, sin = _one_layout(cos, sin)
-    cos_strides = cos.stride()
-    # interleaved_to_half maps pairs to halves; its transpose (backward) maps halves back to pairs.
-    in_pairs = layout == "interleaved" or (layout == "interleaved_to_half" and not backward)
-    out_pairs = layout == "interleaved" or (layout == "interleaved_to_half" and backward)
-    grid = (triton.cdiv(n_rows, block_t),)
+    q_strides, k_strides, cos_strides = q.stride(), k.stride(), cos.stride()
+    cos_batched = cos.shape[0] > 1
+    q_major = k_major = None
+    # outputs come from empty_like, which keeps the strides of dense inputs only: equal strides mean dense q/k
+    if (q_out.stride() == q_strides and k_out.stride() == k_strides
+            and (seq_len == 1 or cos_strides[1] == 2 * half)
+            and (not cos_batched or cos_strides[0] == seq_len * 2 * half)):
+        q_major = _dense_major(q_strides, heads_dim, n_q_heads, seq_len, head_dim)
+        k_major = _dense_major(k_strides, heads_dim, n_k_heads, seq_len, head_dim)
+    if q_major is not None and k_major is not None:
+        _rope_dense_kernel[grid](
+            q, k, q_out, k_out, cos, sin, n_rows, seq_len,
+            *constexprs, n_q_heads, n_k_heads, q_major, k_major, cos_batched,
+            num_warps=num_warps,
+        )
+        return
     _rope_kernel[grid](
         q, k, q_out, k_out, cos, sin,
         *_bht_strides(q, heads_dim),
         *_bht_strides(k, heads_dim),
         *_bht_strides(q_out, heads_dim),
         *_bht_strides(k_out, heads_dim),
-        cos_strides[0] if cos.shape[0] > 1 else 0, cos_strides[1],
+        cos_strides[0] if cos_batched else 0, cos_strides[1],
         n_rows, seq_len, n_q_heads, n_k_heads,
-        HALF=half, HEAD_DIM=head_dim, BLOCK_T=block_t,
-        BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-        BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
-        BACKWARD=backward, FP64=q_out.dtype == torch.float64, HALF_COS=layout != "rotate_half",
-        IN_PAIRS=in_pairs, OUT_PAIRS=out_pairs,
+        *constexprs,
         num_warps=num_warps,
     )
 
@@ -320,22 +412,23 @@ def _validate(q, k, cos, sin, unsqueeze_dim, layout="rotate_half") -> int:
             f"([batch, seq, heads, head_dim]), got {unsqueeze_dim}"
         )
     token_dim = 3 - heads_dim
-    layout = "[batch, heads, seq, head_dim]" if heads_dim == 1 else "[batch, seq, heads, head_dim]"
-    if (q.shape[0], q.shape[token_dim], q.shape[3]) != (k.shape[0], k.shape[token_dim], k.shape[3]):
+    q_shape, k_shape, cos_shape = q.shape, k.shape, cos.shape  # read once: this runs on every launch
+    batch, seq_len, head_dim = q_shape[0], q_shape[token_dim], q_shape[3]
+    n_q_heads, n_k_heads = q_shape[heads_dim], k_shape[heads_dim]
+    where = "[batch, heads, seq, head_dim]" if heads_dim == 1 else "[batch, seq, heads, head_dim]"
+    if (batch, seq_len, head_dim) != (k_shape[0], k_shape[token_dim], k_shape[3]):
         raise ValueError(
-            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, seq and head_dim (layout {layout})"
+            f"q {tuple(q_shape)} and k {tuple(k_shape)} must agree in batch, seq and head_dim (layout {where})"
         )
-    n_q_heads, n_k_heads = q.shape[heads_dim], k.shape[heads_dim]
     if n_k_heads == 0 or n_q_heads % n_k_heads != 0:
-        raise ValueError(f"k's {n_k_heads} heads must divide q's {n_q_heads} heads (layout {layout})")
-    if cos.shape != sin.shape:
-        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have the same shape")
-    batch, seq_len, head_dim = q.shape[0], q.shape[token_dim], q.shape[3]
-    if cos.shape[0] not in (1, batch) or cos.shape[1] != seq_len:
+        raise ValueError(f"k's {n_k_heads} heads must divide q's {n_q_heads} heads (layout {where})")
+    if cos_shape != sin.shape:
+        raise ValueError(f"cos {tuple(cos_shape)} and sin {tuple(sin.shape)} must have the same shape")
+    if cos_shape[0] not in (1, batch) or cos_shape[1] != seq_len:
         raise ValueError(
-            f"cos/sin must have shape [1 or batch={batch}, seq={seq_len}, rotary_dim], got {tuple(cos.shape)}"
+            f"cos/sin must have shape [1 or batch={batch}, seq={seq_len}, rotary_dim], got {tuple(cos_shape)}"
         )
-    rotary_dim = cos.shape[2]
+    rotary_dim = cos_shape[2]
     if rotary_dim == 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(
             f"cos/sin's last dim (rotary_dim={rotary_dim}) must be even, > 0 and <= q/k's head_dim={head_dim}"

@@ -96,16 +96,18 @@ def check_tensor(
     dtypes: Iterable[torch.dtype] | None = FLOAT_DTYPES,
 ) -> torch.Tensor:
     """Raise TypeError/ValueError naming `name` unless `t` is a tensor of the expected rank/dtype."""
+    # Runs on every launch of every op (host-bound at small sizes): the passing path builds nothing.
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None:
-        allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
-        if t.dim() not in allowed:
+        n = t.dim()
+        if n != ndim if isinstance(ndim, int) else n not in tuple(ndim):
+            allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
             raise ValueError(f"{name} must have {' or '.join(map(str, allowed))} dimensions, got shape {tuple(t.shape)}")
     if min_ndim is not None and t.dim() < min_ndim:
         raise ValueError(f"{name} must have at least {min_ndim} dimensions, got shape {tuple(t.shape)}")
     if dtypes is not None:
-        dtypes = tuple(dtypes)
+        dtypes = dtypes if isinstance(dtypes, tuple) else tuple(dtypes)
         if t.dtype not in dtypes:
             names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
             raise TypeError(f"{name} must have dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
