@@ -111,7 +111,14 @@ mc = torch.compile(m); mc(x).float().sum().backward(); print('compiled ok')" ;;
             tests/kernels/test_rms_norm.py tests/kernels/test_layer_norm.py tests/kernels/test_rope.py \
             tests/kernels/test_bad_inputs.py tests/kernels/test_custom_ops.py tests/hf/test_compile.py ;;
         run-sweep-rope) run_step "$step" python3 benchmarks/run.py --sweep --op rope --json "$OUT/sweep-rope.json" ;;
-        host-rope) run_step "$step" python3 benchmarks/host_overhead.py --op rope --profile --rounds 9 --json "$OUT/host-rope.json" ;;
+        host-rope) run_step "$step" python3 benchmarks/host_overhead.py --op rope --op rms_norm --op swiglu --profile \
+            --rounds 15 --json "$OUT/host-rope.json" ;;
+        tests-rope) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rope.py \
+            tests/kernels/test_launch.py tests/kernels/test_custom_ops.py tests/kernels/test_bad_inputs.py tests/hf/test_compile.py ;;
+        # the launch cache without the alignment in its key must fail test_launch's misaligned case
+        mutation-launch-key) rm -rf /tmp/mut && cp -r . /tmp/mut && sed -i 's/tuple(t.data_ptr() % 16 == 0 for t in tensors),/(),/' \
+            /tmp/mut/kernels/fuseforge/ops/_shared/launch.py && (cd /tmp/mut && PYTHONPATH="/tmp/mut/kernels:$PYTHONPATH" run_step "$step" \
+            python3 -m pytest -q -p no:cacheprovider tests/kernels/test_launch.py -k misaligned) ;;
         model-1b) STEP_TIMEOUT=300 run_step "$step" python3 benchmarks/bench_model.py --variants liger fuseforge \
             --json "$OUT/model-1b.json" ;;
         # Issue 23, on a multi-GPU kind (every visible GPU). DeepSpeed is not in the GPU image: carry its wheel and

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from fuseforge.ops._shared.compiled import compiling
+from fuseforge.ops._shared.launch import launch
 from fuseforge.ops._shared.utils import (
     FLOAT_DTYPES,
     check_device_supported,
@@ -193,8 +194,8 @@ def _rope_dense_kernel(
     COS_BATCHED: tl.constexpr,
 ):
     """Dense q/k ([B, T, H, D] as HF's projections give, or [B, H, T, D]), outputs laid out as their inputs,
-    compact cos/sin: the strides follow from the shapes, so a launch binds 8 arguments instead of 24 (the
-    binder's per-argument cost dominates this small op's host time)."""
+    compact cos/sin: the strides follow from the shapes, so a launch passes 8 arguments instead of 24, and
+    no integer is specialised on, so `launch` can reuse the compiled kernel (this small op is host-bound)."""
     # strides in (batch, head, token) order; the constant ones stay constexpr so that loads vectorise
     tokens = seq_len.to(tl.int64)
     sq_b = tokens * (N_Q_HEADS * HEAD_DIM)
@@ -297,11 +298,8 @@ def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, layout
         q_major = _dense_major(q_strides, heads_dim, n_q_heads, seq_len, head_dim)
         k_major = _dense_major(k_strides, heads_dim, n_k_heads, seq_len, head_dim)
     if q_major is not None and k_major is not None:
-        _rope_dense_kernel[grid](
-            q, k, q_out, k_out, cos, sin, n_rows, seq_len,
-            *constexprs, n_q_heads, n_k_heads, q_major, k_major, cos_batched,
-            num_warps=num_warps,
-        )
+        launch(_rope_dense_kernel, grid, (q, k, q_out, k_out, cos, sin), (n_rows, seq_len),
+               (*constexprs, n_q_heads, n_k_heads, q_major, k_major, cos_batched), num_warps)
         return
     _rope_kernel[grid](
         q, k, q_out, k_out, cos, sin,
