@@ -113,6 +113,8 @@ mc = torch.compile(m); mc(x).float().sum().backward(); print('compiled ok')" ;;
         run-sweep-rope) run_step "$step" python3 benchmarks/run.py --sweep --op rope --json "$OUT/sweep-rope.json" ;;
         host-rope) run_step "$step" python3 benchmarks/host_overhead.py --op rope --op rms_norm --op swiglu --profile \
             --rounds 15 --json "$OUT/host-rope.json" ;;
+        host-rope-only) run_step "$step" python3 benchmarks/host_overhead.py --op rope --rounds 25 --json "$OUT/host-rope-only.json" ;;
+        tests-rope-launch) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_launch.py tests/kernels/test_rope.py ;;
         tests-rope) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_rope.py \
             tests/kernels/test_launch.py tests/kernels/test_custom_ops.py tests/kernels/test_bad_inputs.py tests/hf/test_compile.py ;;
         # the launch cache without the alignment in its key must fail test_launch's misaligned case

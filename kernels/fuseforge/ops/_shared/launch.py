@@ -34,14 +34,13 @@ def _direct_launcher(compiled) -> bool:
 
 
 def configuration(device: int, tensors: tuple, ints: tuple, constexprs: tuple, num_warps: int) -> tuple:
-    """What Triton specialises a compiled kernel on, for tensors, unspecialised integers and constexprs."""
+    """What Triton specialises a compiled kernel on, for tensors, unspecialised integers and constexprs (one
+    flat tuple: a kernel always takes as many tensors and integers)."""
     return (
-        device,
-        tuple(t.dtype for t in tensors),
-        tuple(t.data_ptr() % 16 == 0 for t in tensors),
-        tuple(v in _INT32 for v in ints),
-        constexprs,
-        num_warps,
+        device, constexprs, num_warps,
+        *[t.dtype for t in tensors],
+        *[t.data_ptr() % 16 == 0 for t in tensors],
+        *[v in _INT32 for v in ints],
     )
 
 
