@@ -112,7 +112,7 @@ def _rotate_heads(
 
 
 @triton.jit
-def _rope_block(
+def _rope_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
     sq_b, sq_h, sq_t,
     sk_b, sk_h, sk_t,
@@ -126,7 +126,8 @@ def _rope_block(
     BACKWARD: tl.constexpr, FP64: tl.constexpr, HALF_COS: tl.constexpr,
     IN_PAIRS: tl.constexpr, OUT_PAIRS: tl.constexpr,
 ):
-    """One program's block of (batch, token) rows, every head of q and k there."""
+    """One program's block of (batch, token) rows, every head of q and k there; any q/k/output strides (unit
+    last dim). Launched as is, or inlined by _rope_dense_kernel with strides that follow from the shapes."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_mask = (rows < n_rows)[:, None, None]
     b = (rows // seq_len)[:, None, None]
@@ -157,29 +158,6 @@ def _rope_block(
     _rotate_heads(k_ptr, k_out_ptr, sk_b, sk_h, sk_t, sko_b, sko_h, sko_t,
                   b, t, row_mask, cos1, cos2, sin1, sin2, n_k_heads,
                   HALF, HEAD_DIM, BLOCK_HK, BLOCK_HALF, BLOCK_PASS, FP64, IN_PAIRS, OUT_PAIRS)
-
-
-@triton.jit
-def _rope_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
-    sq_b, sq_h, sq_t,
-    sk_b, sk_h, sk_t,
-    sqo_b, sqo_h, sqo_t,
-    sko_b, sko_h, sko_t,
-    sc_b, sc_t,
-    n_rows, seq_len, n_q_heads, n_k_heads,
-    HALF: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    BACKWARD: tl.constexpr, FP64: tl.constexpr, HALF_COS: tl.constexpr,
-    IN_PAIRS: tl.constexpr, OUT_PAIRS: tl.constexpr,
-):
-    """Any q/k/output strides (unit last dim)."""
-    _rope_block(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
-                sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sqo_b, sqo_h, sqo_t, sko_b, sko_h, sko_t, sc_b, sc_t,
-                n_rows, seq_len, n_q_heads, n_k_heads,
-                HALF, HEAD_DIM, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_PASS,
-                BACKWARD, FP64, HALF_COS, IN_PAIRS, OUT_PAIRS)
 
 
 @triton.jit(do_not_specialize=["n_rows", "seq_len"])
@@ -217,11 +195,11 @@ def _rope_dense_kernel(
         sc_b = tokens * sc_t
     else:
         sc_b: tl.constexpr = 0
-    _rope_block(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
-                sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sc_b, sc_t,
-                n_rows, seq_len, N_Q_HEADS, N_K_HEADS,
-                HALF, HEAD_DIM, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_PASS,
-                BACKWARD, FP64, HALF_COS, IN_PAIRS, OUT_PAIRS)
+    _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
+                 sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sc_b, sc_t,
+                 n_rows, seq_len, N_Q_HEADS, N_K_HEADS,
+                 HALF, HEAD_DIM, BLOCK_T, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, BLOCK_PASS,
+                 BACKWARD, FP64, HALF_COS, IN_PAIRS, OUT_PAIRS)
 
 
 def _bht_strides(x: torch.Tensor, heads_dim: int) -> tuple[int, int, int]:
