@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fuseforge.functional import clamped_swiglu, geglu, layer_norm, rms_norm, swiglu
+from fuseforge.functional import clamped_swiglu, fused_add_rms_norm, geglu, layer_norm, rms_norm, swiglu
 from fuseforge.transformers._fingerprint import matches
 
 # Verified implementation fingerprints (see _fingerprint.py), transformers 5.17-5.24.
@@ -57,6 +57,11 @@ EXPERTS_EAGER_FORWARD = frozenset({"cc14b3ec6864", "ceb5cf870ea9"})  # 5.24 / 5.
 # loop (with biases) calls self._apply_gate. Both bodies identical on 5.17 and 5.24.
 GPT_OSS_EXPERTS_APPLY_GATE = frozenset({"8b834c6b9c92"})
 GPT_OSS_EXPERTS_EAGER_FORWARD = frozenset({"65cf0bf9da69"})
+# The pre-norm decoder layer of Llama and ~60 families that copy it (Mistral, Qwen2/3, their MoE and VL
+# variants, DeepSeek-V2/V3, GLM, Gemma 1, ...): residual + attention, post_attention_layernorm, residual + mlp.
+# 5.17 (`past_key_values`) and 5.24 (`cache`, behind a deprecate_kwarg decorator).
+LLAMA_DECODER_LAYER_FORWARD = frozenset({"4c99802155b5"})
+LLAMA_DECODER_LAYER_CACHE_FORWARD = frozenset({"8e8333f59d73"})
 # Gemma 4: fp32 throughout, x * pow(mean(x^2) + eps, -0.5), optional `* weight` (no offset), one cast at
 # the end: the kernel's Gemma casting with offset 0 (offset 1 on a zero weight without scale). 5.17 and 5.24.
 GEMMA4_RMS_NORM_FORWARD = frozenset({"21617bc3257b"})
@@ -104,44 +109,60 @@ def _gated(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tenso
 # --- mixins (the fused forwards) ---------------------------------------------------------------
 
 
-class LlamaRMSNormMixin:
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon, casting="llama")
+class FusedRMSNormMixin:
+    """An RMSNorm on the kernel; `norm(x, residual)` also takes a residual to add first, in the same pass.
+
+    The pair form returns `(norm(x + residual), x + residual)` and is what the fused decoder layers
+    call (through `__call__`, so module hooks, e.g. DeepSpeed ZeRO-3's parameter gathering, still run).
+    Subclasses say which weight, epsilon, offset and casting HF's module computes with.
+    """
+
+    def _kernel_args(self, x: torch.Tensor) -> tuple[torch.Tensor, float, float, str]:
+        raise NotImplementedError
+
+    def forward(self, hidden_states: torch.Tensor, residual: torch.Tensor | None = None):
+        weight, eps, offset, casting = self._kernel_args(hidden_states)
+        if residual is None:
+            return rms_norm(hidden_states, weight, eps, offset=offset, casting=casting)
+        return fused_add_rms_norm(hidden_states, residual, weight, eps, offset, casting)
 
 
-class GemmaRMSNormMixin:
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, offset=1.0, casting="gemma")
+class LlamaRMSNormMixin(FusedRMSNormMixin):
+    def _kernel_args(self, x):
+        return self.weight, self.variance_epsilon, 0.0, "llama"
 
 
-class OlmoRMSNormMixin:
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.variance_epsilon, offset=0.0, casting="gemma")
+class GemmaRMSNormMixin(FusedRMSNormMixin):
+    def _kernel_args(self, x):
+        return self.weight, self.eps, 1.0, "gemma"
 
 
-class Gemma4RMSNormMixin:
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+class OlmoRMSNormMixin(FusedRMSNormMixin):
+    def _kernel_args(self, x):
+        return self.weight, self.variance_epsilon, 0.0, "gemma"
+
+
+class Gemma4RMSNormMixin(FusedRMSNormMixin):
+    def _kernel_args(self, x):
         if self.with_scale:
-            return rms_norm(hidden_states, self.weight, self.eps, offset=0.0, casting="gemma")
+            return self.weight, self.eps, 0.0, "gemma"
         # No scale (v_norm, the router's norm): offset 1 on a zero weight multiplies by exactly 1.
-        unit = torch.zeros(hidden_states.shape[-1], dtype=hidden_states.dtype, device=hidden_states.device)
-        return rms_norm(hidden_states, unit, self.eps, offset=1.0, casting="gemma")
+        return torch.zeros(x.shape[-1], dtype=x.dtype, device=x.device), self.eps, 1.0, "gemma"
 
 
-class EpsLlamaRMSNormMixin:
+class EpsLlamaRMSNormMixin(FusedRMSNormMixin):
     """The Llama casting, with the epsilon in `eps` (Llama 4)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, casting="llama")
+    def _kernel_args(self, x):
+        return self.weight, self.eps, 0.0, "llama"
 
 
-class L2NormMixin:
+class L2NormMixin(FusedRMSNormMixin):
     """Parameter-free RMS normalisation (Llama 4's qk-norm): the Llama casting with a unit weight in
     x's dtype, so multiplying by it is exact and the output keeps x's dtype."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        unit = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
-        return rms_norm(x, unit, self.eps, casting="llama")
+    def _kernel_args(self, x):
+        return torch.ones(x.shape[-1], dtype=x.dtype, device=x.device), self.eps, 0.0, "llama"
 
 
 class LayerNormMixin:
@@ -234,6 +255,77 @@ class BatchedSwiGLUExpertsMixin:
         gate, up = torch.bmm(hidden_states, self.gate_up_proj).chunk(2, dim=-1)
         next_states = torch.bmm(swiglu(gate, up), self.down_proj)
         return next_states.view(-1, self.hidden_size)
+
+
+class _ResidualFusedDecoderLayer:
+    """A pre-norm decoder layer whose post-attention residual add runs inside its norm's kernel.
+
+    HF: `h = residual + attn; y = norm(h); out = h + mlp(y)`. Fused: `y, h = norm(attn, residual)`,
+    one pass instead of an add and a norm forward, and in the backward the norm writes the gradient of
+    `h` (its own plus the one from the skip) instead of a separate accumulation. Same numbers: the sum
+    is rounded to the stream's dtype before it is normalised, as HF's add rounds it. Where the
+    attention output's dtype differs from the residual stream's (fp32 weights under autocast), HF's
+    promoting add is kept.
+    """
+
+    def _post_attention(self, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if attention_out.dtype == residual.dtype:
+            normed, residual = self.post_attention_layernorm(attention_out, residual)
+        else:
+            residual = residual + attention_out
+            normed = self.post_attention_layernorm(residual)
+        return residual + self.mlp(normed)
+
+
+class ResidualFusedDecoderLayerMixin(_ResidualFusedDecoderLayer):
+    """LLAMA_DECODER_LAYER_FORWARD up to transformers 5.2x (the cache argument is `past_key_values`)."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=False, position_embeddings=None, **kwargs):
+        attention_out, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        return self._post_attention(attention_out, hidden_states)
+
+
+def _accepting_past_key_values(forward):
+    """HF's 5.24 forward still takes the old name `past_key_values` (with a warning) through this decorator."""
+    try:
+        from transformers.utils.deprecation import deprecate_kwarg
+    except ImportError:  # a transformers without it has no callers of the old name to serve
+        return forward
+    return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
+
+
+class CacheResidualFusedDecoderLayerMixin(_ResidualFusedDecoderLayer):
+    """LLAMA_DECODER_LAYER_CACHE_FORWARD (transformers 5.24: the cache argument is `cache`)."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                use_cache=False, position_embeddings=None, **kwargs):
+        attention_out, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        return self._post_attention(attention_out, hidden_states)
+
+    forward = _accepting_past_key_values(forward)
+
+
+_DECODER_LAYER_MIXINS = (
+    (LLAMA_DECODER_LAYER_FORWARD, ResidualFusedDecoderLayerMixin),
+    (LLAMA_DECODER_LAYER_CACHE_FORWARD, CacheResidualFusedDecoderLayerMixin),
+)
 
 
 # --- planning ----------------------------------------------------------------------------------
@@ -403,4 +495,21 @@ def plan(module: nn.Module) -> Plan | None:
     submodules = dict(module.named_children())
     if name.endswith("MLP") and ("gate_up_proj" in submodules or {"gate_proj", "up_proj"} <= submodules.keys()):
         return _plan_mlp(module, cls, name)
+    return None
+
+
+def plan_decoder_layer(module: nn.Module) -> Plan | None:
+    """The fused residual add for a verified pre-norm decoder layer whose post-attention norm is already
+    on the kernel (after the leaves are swapped); None for every other module, with no reason given:
+    layers we do not recognise keep HF's add, which costs speed, never correctness."""
+    cls = type(module)
+    norm = getattr(module, "post_attention_layernorm", None)
+    if not isinstance(norm, FusedRMSNormMixin) or "forward" in norm.__dict__ or norm._forward_hooks:
+        return None
+    if not all(isinstance(getattr(module, name, None), nn.Module) for name in ("input_layernorm", "self_attn", "mlp")):
+        return None
+    forward = inspect.unwrap(cls.forward)
+    for fingerprints, mixin in _DECODER_LAYER_MIXINS:
+        if matches(forward, fingerprints):
+            return Plan("rms_norm", f"{cls.__name__} (residual add in post_attention_layernorm)", mixin)
     return None

@@ -23,7 +23,7 @@ from fuseforge.ops._shared.loss_args import check_chunk_size
 from fuseforge.transformers import rope as rope_patch
 from fuseforge.transformers._swap import is_fused, restore, swap
 from fuseforge.transformers.families import FAMILIES, Family, family_for_model_type
-from fuseforge.transformers.layers import plan
+from fuseforge.transformers.layers import plan, plan_decoder_layer
 from fuseforge.transformers.loss import (
     LOSS_SPEC_ATTR,
     FusedLossHeadMixin,
@@ -126,6 +126,18 @@ def _patch_leaves(model: nn.Module, options: dict, state: _State, left: set[int]
         report.add_patched(decision.kernel, decision.label)
 
 
+def _patch_decoder_layers(model: nn.Module, state: _State, left: set[int]) -> None:
+    """Second pass, once the norms are fused: residual adds into the post-attention norms."""
+    for module in model.modules():
+        if is_fused(module) or id(module) in left or "forward" in module.__dict__:
+            continue
+        decision = plan_decoder_layer(module)
+        if decision is not None:
+            swap(module, decision.mixin)
+            state.swapped.append(module)
+            state.report.add_patched(decision.kernel, decision.label)
+
+
 def _patch_rope(model: nn.Module, family: Family | None, state: _State, left: set[int]) -> None:
     report = state.report
     candidates = [(a, sites) for a, sites in rope_patch.attention_candidates(model) if id(a) not in left]
@@ -223,6 +235,8 @@ def _patch_instance(model: nn.Module, options: dict) -> PatchReport:
     try:
         left = _vision_subtrees(model, family, report)
         _patch_leaves(model, options, state, left)
+        if options["rms_norm"]:
+            _patch_decoder_layers(model, state, left)
         if options["rope"]:
             _patch_rope(model, family, state, left)
         _patch_losses(model, family, options, state)
