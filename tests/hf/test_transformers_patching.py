@@ -119,7 +119,8 @@ def test_patching_twice_is_harmless_and_new_flags_repatch():
     assert ff.apply_kernels(model) is first  # same flags: no-op
     norm = model.model.norm
     assert [c.__name__ for c in type(norm).__mro__].count("FusedLlamaRMSNorm") == 1
-    assert type(norm).__mro__[1].__name__ == "LlamaRMSNormMixin" and type(norm).__mro__[2] is modeling_llama.LlamaRMSNorm
+    assert type(norm).__mro__[1].__name__ == "LlamaRMSNormMixin" and type(norm)._fuseforge_original is modeling_llama.LlamaRMSNorm
+    assert type(norm).__mro__.index(modeling_llama.LlamaRMSNorm) == 3  # after the mixin and its FusedRMSNormMixin base
 
     second = ff.apply_kernels(model, rope=False, swiglu=False)
     assert second is not first and "rope" not in second.patched and "swiglu" not in second.patched
@@ -521,3 +522,78 @@ def test_loss_chunk_size_is_carried_by_class_patches_and_changed_by_repatching()
     auto = ff.AutoFusedModelForCausalLM.from_config(config, loss_chunk_size=40)
     assert _loss_chunk_size(auto) == 40 and ff.get_patch_report(auto).loss_chunk_size == 40
     ff.unpatch(auto)
+
+
+@pytest.fixture
+def fused_add_calls(monkeypatch):
+    """Counts the fused residual-add norm calls of the decoder layers (looked up in layers at call time)."""
+    from fuseforge.transformers import layers as layers_patch
+
+    calls = []
+    original = layers_patch.fused_add_rms_norm
+    monkeypatch.setattr(layers_patch, "fused_add_rms_norm", lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
+def _decoder_layer_and_hf_twin(dtype):
+    """A patched Llama's first decoder layer, and a copy with HF's forward over the same fused modules."""
+    from fuseforge.transformers._swap import restore
+
+    model = tiny_model("llama").to(dtype)
+    report = ff.apply_kernels(model)
+    assert report.patched["rms_norm"]["LlamaDecoderLayer (residual add in post_attention_layernorm)"] == 2, report
+    layer = model.model.layers[0]
+    twin = copy.deepcopy(layer)
+    assert restore(twin) and type(twin) is modeling_llama.LlamaDecoderLayer
+    return model, layer, twin
+
+
+def _layer_run(model, layer, hidden, grad_out):
+    """Output and gradients (input, then every parameter) of one decoder layer on `hidden`."""
+    hidden = hidden.detach().clone().requires_grad_(True)
+    positions = torch.arange(hidden.shape[1], device=hidden.device)[None].expand(hidden.shape[0], -1)
+    out = layer(hidden, position_embeddings=model.model.rotary_emb(hidden, positions), position_ids=positions)
+    params = [p for _, p in layer.named_parameters()]
+    grads = torch.autograd.grad(out, [hidden, *params], grad_out)
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("dtype", [FP32, torch.bfloat16])
+def test_decoder_layer_residual_add_runs_in_the_norm_kernel_with_hf_numbers(dtype, fused_add_calls):
+    model, layer, twin = _decoder_layer_and_hf_twin(dtype)
+    hidden = torch.randn(2, 9, COMMON["hidden_size"], device=DEVICE, dtype=dtype) * 4
+    grad_out = torch.randn_like(hidden)
+    out, grads = _layer_run(model, layer, hidden, grad_out)
+    assert len(fused_add_calls) == 1
+    expected, expected_grads = _layer_run(model, twin, hidden, grad_out)
+    assert len(fused_add_calls) == 1  # HF's forward adds, then calls the norm alone
+    # The sum is rounded to the stream's dtype before the norm, as HF's add rounds it: same forward bits.
+    assert torch.equal(out, expected)
+    # Backward: the norm adds the skip's gradient in fp32 before rounding once (HF rounds, then adds).
+    for got, want, name in zip(grads, expected_grads, ["input", *(n for n, _ in layer.named_parameters())]):
+        assert_close(got, want, dtype, msg=f"gradient of {name}")
+
+
+def test_decoder_layer_keeps_hf_promoting_add_when_the_attention_output_has_another_dtype(fused_add_calls):
+    """fp32 residual stream, bf16 attention output (fp32 weights under autocast): HF's add promotes to fp32."""
+    model, layer, twin = _decoder_layer_and_hf_twin(FP32)
+    residual = torch.randn(2, 5, COMMON["hidden_size"], device=DEVICE)
+    attention_out = torch.randn_like(residual).to(torch.bfloat16)
+    got = layer._post_attention(attention_out, residual)
+    summed = residual + attention_out
+    want = summed + twin.mlp(twin.post_attention_layernorm(summed))
+    assert got.dtype == FP32 and torch.equal(got, want) and not fused_add_calls
+
+
+def test_decoder_layers_are_left_to_hf_without_fused_norms_or_with_hooks_on_the_norm():
+    model = tiny_model("llama")
+    report = _quiet_apply(model, rms_norm=False)
+    assert all(type(layer) is modeling_llama.LlamaDecoderLayer for layer in model.model.layers)
+    assert "rms_norm" not in report.patched
+    ff.unpatch(model)
+    model.model.layers[1].post_attention_layernorm.register_forward_hook(lambda *args: None)
+    report = _quiet_apply(model)
+    assert type(model.model.layers[0]) is not modeling_llama.LlamaDecoderLayer
+    assert type(model.model.layers[1]) is modeling_llama.LlamaDecoderLayer  # a hook expects one tensor back
+    assert report.patched["rms_norm"]["LlamaDecoderLayer (residual add in post_attention_layernorm)"] == 1
+    ff.unpatch(model)
