@@ -40,9 +40,10 @@ PRESETS = {
 # A variant is a base, then "+"-joined modifiers, then "@<MiB>" for the fused loss's chunk:
 #   eager | liger | fuseforge | fuseforge-loss (only the fused linear cross-entropy; norms, RoPE and MLPs left to
 #   torch.compile to fuse with their neighbours)  +  compile (whole model) | compile-layers (each decoder layer, as
-#   the platform's `compile` input) | fp8 (torchao float8 linears; with compile-layers as the platform does).
+#   the platform's `compile` input) | fp8 (torchao float8 linears; with compile-layers as the platform does) |
+#   hf-add (fuseforge with HF's decoder-layer forward put back: the A/B of the residual add fused into the norm).
 BASES = ("eager", "liger", "fuseforge", "fuseforge-loss")
-MODIFIERS = ("compile", "compile-layers", "fp8")
+MODIFIERS = ("compile", "compile-layers", "fp8", "hf-add")
 VARIANTS = ("eager", "liger", "fuseforge", "compile", "fuseforge+compile", "fuseforge+fp8")
 
 
@@ -77,7 +78,7 @@ def parse_variant(variant: str) -> tuple[str, tuple[str, ...], int | None]:
     modifiers = tuple(parts if parts[0] in MODIFIERS else parts[1:])
     bad = (base not in BASES or any(m not in MODIFIERS for m in modifiers) or len(set(modifiers)) < len(modifiers)
            or {"compile", "compile-layers"} <= set(modifiers) or (chunk_mib and not chunk_mib.isdigit())
-           or (chunk_mib and not base.startswith("fuseforge")))
+           or (chunk_mib and not base.startswith("fuseforge")) or ("hf-add" in modifiers and base != "fuseforge"))
     if bad:
         raise argparse.ArgumentTypeError(
             f"unknown variant {variant!r}: a base of {BASES}, then +modifiers of {MODIFIERS}, then @<MiB> for fuseforge")
@@ -109,6 +110,12 @@ def apply_variant(model, variant: str):
         only_loss = dict(rms_norm=False, layer_norm=False, rope=False, swiglu=False) if base == "fuseforge-loss" else {}
         report = apply_kernels(model, **only_loss)
         notes.append("fused: " + ", ".join(sorted(set(report.patched_kernels()))))
+    if "hf-add" in modifiers:
+        from fuseforge.transformers._swap import restore
+        from fuseforge.transformers.layers import _ResidualFusedDecoderLayer
+
+        layers = [m for m in model.modules() if isinstance(m, _ResidualFusedDecoderLayer)]
+        notes.append(f"HF's residual add in {sum(restore(m) for m in layers)} decoder layers")
     if "fp8" in modifiers:
         from fuseforge_flyte.training.fp8 import convert_to_fp8
 

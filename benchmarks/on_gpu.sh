@@ -121,6 +121,12 @@ mc = torch.compile(m); mc(x).float().sum().backward(); print('compiled ok')" ;;
         mutation-launch-key) rm -rf /tmp/mut && cp -r . /tmp/mut && sed -i 's/tuple(t.data_ptr() % 16 == 0 for t in tensors),/(),/' \
             /tmp/mut/kernels/fuseforge/ops/_shared/launch.py && (cd /tmp/mut && PYTHONPATH="/tmp/mut/kernels:$PYTHONPATH" run_step "$step" \
             python3 -m pytest -q -p no:cacheprovider tests/kernels/test_launch.py -k misaligned) ;;
+        # The residual add fused into the decoder layers' post-attention norm, A/B against HF's add (hf-add), Liger
+        model-1b-residual) STEP_TIMEOUT=${STEP_TIMEOUT:-200} TAIL=40 run_step "$step" python3 benchmarks/bench_model.py \
+            --variants fuseforge+hf-add fuseforge liger fuseforge+hf-add fuseforge --steps 15 --profile \
+            --json "$OUT/model-1b-residual.json" ;;
+        tests-residual) STEP_TIMEOUT=${STEP_TIMEOUT:-100} run_step "$step" python3 -m pytest -q -p no:cacheprovider \
+            tests/hf/test_transformers_patching.py tests/hf/test_transformers_tiny_models.py -k "decoder_layer or recognised or unpatch" ;;
         model-1b) STEP_TIMEOUT=300 run_step "$step" python3 benchmarks/bench_model.py --variants liger fuseforge \
             --json "$OUT/model-1b.json" ;;
         # Issue 23, on a multi-GPU kind (every visible GPU). DeepSpeed is not in the GPU image: carry its wheel and
