@@ -65,13 +65,18 @@ def _outputs(model, batch):
     return loss.detach(), grads, logits
 
 
+def _count_calls(monkeypatch, module, name) -> list:
+    """One entry per call of `module.name` (the patched code looks it up in its module at call time)."""
+    calls = []
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or original(*a, **k))
+    return calls
+
+
 @pytest.fixture
 def rope_calls(monkeypatch):
-    """Counts fused RoPE kernel calls (the dispatcher looks `rope` up in its module)."""
-    calls = []
-    original = rope_patch.rope
-    monkeypatch.setattr(rope_patch, "rope", lambda *a, **k: calls.append(1) or original(*a, **k))
-    return calls
+    """Counts fused RoPE kernel calls."""
+    return _count_calls(monkeypatch, rope_patch, "rope")
 
 
 @pytest.mark.parametrize("family", ["llama", *FAMILIES[FAMILIES.index("qwen3_moe") :], "phi4"])
@@ -526,13 +531,10 @@ def test_loss_chunk_size_is_carried_by_class_patches_and_changed_by_repatching()
 
 @pytest.fixture
 def fused_add_calls(monkeypatch):
-    """Counts the fused residual-add norm calls of the decoder layers (looked up in layers at call time)."""
+    """Counts the fused residual-add norm calls of the decoder layers."""
     from fuseforge.transformers import layers as layers_patch
 
-    calls = []
-    original = layers_patch.fused_add_rms_norm
-    monkeypatch.setattr(layers_patch, "fused_add_rms_norm", lambda *a, **k: calls.append(1) or original(*a, **k))
-    return calls
+    return _count_calls(monkeypatch, layers_patch, "fused_add_rms_norm")
 
 
 def _decoder_layer_and_hf_twin(dtype):

@@ -268,6 +268,11 @@ class _ResidualFusedDecoderLayer:
     promoting add is kept.
     """
 
+    def _fused_forward(self, hidden_states: torch.Tensor, **attention_kwargs) -> torch.Tensor:
+        residual = hidden_states
+        attention_out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **attention_kwargs)
+        return self._post_attention(attention_out, residual)
+
     def _post_attention(self, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if attention_out.dtype == residual.dtype:
             normed, residual = self.post_attention_layernorm(attention_out, residual)
@@ -278,20 +283,14 @@ class _ResidualFusedDecoderLayer:
 
 
 class ResidualFusedDecoderLayerMixin(_ResidualFusedDecoderLayer):
-    """LLAMA_DECODER_LAYER_FORWARD up to transformers 5.2x (the cache argument is `past_key_values`)."""
+    """LLAMA_DECODER_LAYER_FORWARD (transformers 5.17: the cache argument is `past_key_values`).
+    Every argument goes on to the attention by name, as HF's forward passes it."""
 
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=False, position_embeddings=None, **kwargs):
-        attention_out, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        return self._post_attention(attention_out, hidden_states)
+        return self._fused_forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                   past_key_values=past_key_values, use_cache=use_cache,
+                                   position_embeddings=position_embeddings, **kwargs)
 
 
 def _accepting_past_key_values(forward):
@@ -306,20 +305,12 @@ def _accepting_past_key_values(forward):
 class CacheResidualFusedDecoderLayerMixin(_ResidualFusedDecoderLayer):
     """LLAMA_DECODER_LAYER_CACHE_FORWARD (transformers 5.24: the cache argument is `cache`)."""
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
-                use_cache=False, position_embeddings=None, **kwargs):
-        attention_out, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        return self._post_attention(attention_out, hidden_states)
-
-    forward = _accepting_past_key_values(forward)
+    @_accepting_past_key_values
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
+                position_embeddings=None, **kwargs):
+        return self._fused_forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
+                                   **kwargs)
 
 
 _DECODER_LAYER_MIXINS = (
