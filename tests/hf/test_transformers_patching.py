@@ -550,6 +550,17 @@ def _decoder_layer_and_hf_twin(dtype):
     return model, layer, twin
 
 
+def test_fused_decoder_layers_keep_the_class_name_that_wrap_policies_look_up():
+    """FSDP auto-wrap, accelerate and the platform find decoder layers by `_no_split_modules` class names."""
+    model = tiny_model("llama")
+    ff.apply_kernels(model)
+    by_name = [m for m in model.modules() if type(m).__name__ in model._no_split_modules]
+    assert by_name == list(model.model.layers) and all(type(m) is not modeling_llama.LlamaDecoderLayer for m in by_name)
+    assert all(isinstance(m, modeling_llama.LlamaDecoderLayer) for m in by_name)
+    assert type(model.model.norm).__name__ == "FusedLlamaRMSNorm"  # leaves still say they are fused
+    ff.unpatch(model)
+
+
 def _layer_run(model, layer, hidden, grad_out):
     """Output and gradients (input, then every parameter) of one decoder layer on `hidden`."""
     hidden = hidden.detach().clone().requires_grad_(True)

@@ -3,7 +3,9 @@
 Changing `module.__class__` keeps the module object, its parameters (already-loaded
 weights, tied weights, optimizer references, hooks) and `isinstance` checks intact;
 only the methods the fused mixin defines change. The fused subclass is built once
-per (original class, mixin) pair, so every patched module of a class shares it.
+per (original class, mixin) pair, so every patched module of a class shares it. It is called
+`Fused<Original>`, except for mixins with `keeps_class_name` (decoder layers: FSDP wrap policies, the
+models' `_no_split_modules` and checkpointing helpers find those layers by class name).
 Plain `copy.deepcopy` works; pickling a whole patched model does not (save weights
 with `save_pretrained` / `state_dict`, which are unchanged).
 """
@@ -24,10 +26,11 @@ def fused_class(original: type, mixin: type) -> type:
     with _LOCK:
         cls = _FUSED_CLASSES.get(key)
         if cls is None:
+            name = original.__name__ if getattr(mixin, "keeps_class_name", False) else f"Fused{original.__name__}"
             cls = type(
-                f"Fused{original.__name__}",
+                name,
                 (mixin, original),
-                {"__module__": mixin.__module__, "_fuseforge_original": original},
+                {"__module__": mixin.__module__, "__qualname__": name, "_fuseforge_original": original},
             )
             _FUSED_CLASSES[key] = cls
     return cls

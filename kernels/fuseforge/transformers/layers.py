@@ -265,8 +265,11 @@ class _ResidualFusedDecoderLayer:
     `h` (its own plus the one from the skip) instead of a separate accumulation. Same numbers: the sum
     is rounded to the stream's dtype before it is normalised, as HF's add rounds it. Where the
     attention output's dtype differs from the residual stream's (fp32 weights under autocast), HF's
-    promoting add is kept.
+    promoting add is kept. The swapped class keeps HF's name (`keeps_class_name`): FSDP wrap policies and
+    `_no_split_modules` look decoder layers up by it.
     """
+
+    keeps_class_name = True
 
     def _fused_forward(self, hidden_states: torch.Tensor, **attention_kwargs) -> torch.Tensor:
         residual = hidden_states
