@@ -266,11 +266,11 @@ NORMS_TOTAL = {"gemma4": 3 * 8 - 2 + 2}
 NORMS_TOTAL["llama4"] = 2 * 2 + 1 + 1  # two per layer, the final norm, the RoPE layer's L2 qk-norm
 # Layers whose attention applies RoPE (NoPE layers keep the patched attention but never call it), as calls
 # of the rope kernel: Gemma 4 rotates q and k in separate calls, q only on its KV-shared layer.
-# Families whose decoder layers are HF's Llama-style pre-norm layer: their post-attention residual add runs
-# in the norm's kernel (fingerprints in fuseforge.transformers.layers). Others keep HF's add.
+# Families whose decoder layers are HF's Llama-style pre-norm or Gemma 2/3's sandwich-norm layer: the residual
+# add before the MLP's norm runs in its kernel (fingerprints in fuseforge.transformers.layers). Others keep HF's add.
 RESIDUAL_FUSED_DECODER_LAYERS = (
-    "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "gemma", "smollm3", "deepseek_v3", "deepseek_v3_rotate_half",
-    "qwen2_5_vl",
+    "llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma", "gemma2", "gemma3", "smollm3",
+    "deepseek_v3", "deepseek_v3_rotate_half", "qwen2_5_vl", "qwen3_vl", "gemma3_vl",
 )
 ROPE_LAYERS = {"smollm3": 1, "exaone4": 1, "gemma4": 2 + 2 + 1, "llama4": 1, "llama4_vl": 1}
 

@@ -57,11 +57,18 @@ EXPERTS_EAGER_FORWARD = frozenset({"cc14b3ec6864", "ceb5cf870ea9"})  # 5.24 / 5.
 # loop (with biases) calls self._apply_gate. Both bodies identical on 5.17 and 5.24.
 GPT_OSS_EXPERTS_APPLY_GATE = frozenset({"8b834c6b9c92"})
 GPT_OSS_EXPERTS_EAGER_FORWARD = frozenset({"65cf0bf9da69"})
-# The pre-norm decoder layer of Llama and ~60 families that copy it (Mistral, Qwen2/3, their MoE and VL
-# variants, DeepSeek-V2/V3, GLM, Gemma 1, ...): residual + attention, post_attention_layernorm, residual + mlp.
-# 5.17 (`past_key_values`) and 5.24 (`cache`, behind a deprecate_kwarg decorator).
-LLAMA_DECODER_LAYER_FORWARD = frozenset({"4c99802155b5"})
-LLAMA_DECODER_LAYER_CACHE_FORWARD = frozenset({"8e8333f59d73"})
+# Decoder layers whose bodies pass every argument after hidden_states on to self_attn by name, then:
+# pre-norm (Llama and ~60 families that copy it: Mistral, Qwen2/3, their MoE and VL variants, DeepSeek-V2/V3,
+# GLM, Gemma 1, ...; Mixtral's and Qwen3-VL's with their own signatures): residual + attention,
+# post_attention_layernorm, mlp, residual + mlp. 5.17 (`past_key_values`) and 5.24 (`cache`) each.
+PRE_NORM_DECODER_LAYER_FORWARDS = frozenset({
+    "4c99802155b5", "8e8333f59d73",  # Llama
+    "51b15551392d", "dd054f74c81f",  # Mixtral, PhiMoE, MiniMax-M2
+    "207de060ebb8", "0770cb40f481",  # Qwen3-VL text
+})
+# Sandwich (Gemma 2/3): post_attention_layernorm(attention), residual add, pre_feedforward_layernorm, mlp,
+# post_feedforward_layernorm, residual add. 5.17 and 5.24.
+SANDWICH_NORM_DECODER_LAYER_FORWARDS = frozenset({"f382dc052e52", "f69600846a65"})
 # Gemma 4: fp32 throughout, x * pow(mean(x^2) + eps, -0.5), optional `* weight` (no offset), one cast at
 # the end: the kernel's Gemma casting with offset 0 (offset 1 on a zero weight without scale). 5.17 and 5.24.
 GEMMA4_RMS_NORM_FORWARD = frozenset({"21617bc3257b"})
@@ -258,46 +265,70 @@ class BatchedSwiGLUExpertsMixin:
 
 
 class _ResidualFusedDecoderLayer:
-    """A pre-norm decoder layer whose post-attention residual add runs inside its norm's kernel.
+    """A decoder layer whose residual add before the MLP's norm runs inside that norm's kernel.
 
-    HF: `h = residual + attn; y = norm(h); out = h + mlp(y)`. Fused: `y, h = norm(attn, residual)`,
-    one pass instead of an add and a norm forward, and in the backward the norm writes the gradient of
-    `h` (its own plus the one from the skip) instead of a separate accumulation. Same numbers: the sum
-    is rounded to the stream's dtype before it is normalised, as HF's add rounds it. Where the
-    attention output's dtype differs from the residual stream's (fp32 weights under autocast), HF's
-    promoting add is kept. The swapped class keeps HF's name (`keeps_class_name`): FSDP wrap policies and
+    HF (pre-norm, Llama): `h = residual + attn; y = norm(h); out = h + mlp(y)`. Fused: `y, h = norm(attn,
+    residual)`: one pass instead of an add and a norm forward, and in the backward the norm writes the
+    gradient of `h` (its own plus the skip's) instead of a separate accumulation. Same numbers: the sum is
+    rounded to the stream's dtype before it is normalised, as HF's add rounds it. Where the attention
+    branch's dtype differs from the residual stream's (fp32 weights under autocast), HF's promoting add is
+    kept. The swapped class keeps HF's name (`keeps_class_name`): FSDP wrap policies and
     `_no_split_modules` look decoder layers up by it.
+
+    The verified HF bodies (fingerprints below) pass every argument of the layer after `hidden_states` on to
+    the attention by name, whatever the signature (they differ across families and transformers versions):
+    so does `forward`, with the defaults and positional order of the layer's own signature.
     """
 
     keeps_class_name = True
+    fused_norm = "post_attention_layernorm"  # the norm that takes the residual
 
-    def _fused_forward(self, hidden_states: torch.Tensor, **attention_kwargs) -> torch.Tensor:
-        residual = hidden_states
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        original = cls.__dict__.get("_fuseforge_original")
+        if original is not None:  # a fused class (see _swap.fused_class): read the layer's signature once
+            params = list(inspect.signature(inspect.unwrap(original.forward)).parameters.values())[2:]
+            cls._positional_arguments = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+            cls._argument_defaults = {p.name: p.default for p in params if p.default is not p.empty}
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if len(args) > len(self._positional_arguments):
+            raise TypeError(f"{type(self).__name__}.forward takes {len(self._positional_arguments) + 1} positional "
+                            f"arguments after self, got {len(args) + 1}")
+        attention_kwargs = {**self._argument_defaults, **dict(zip(self._positional_arguments, args)), **kwargs}
         attention_out, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **attention_kwargs)
-        return self._post_attention(attention_out, residual)
+        return self._after_attention(attention_out, hidden_states)
 
-    def _post_attention(self, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        if attention_out.dtype == residual.dtype:
-            normed, residual = self.post_attention_layernorm(attention_out, residual)
-        else:
-            residual = residual + attention_out
-            normed = self.post_attention_layernorm(residual)
+    def _add_and_norm(self, branch: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + branch), residual + branch) with `fused_norm`, in one kernel when the dtypes agree."""
+        norm = getattr(self, self.fused_norm)
+        if branch.dtype == residual.dtype:
+            return norm(branch, residual)
+        residual = residual + branch
+        return norm(residual), residual
+
+
+class PreNormDecoderLayerMixin(_ResidualFusedDecoderLayer):
+    """PRE_NORM_DECODER_LAYER_FORWARDS: Llama and the families that copy its layer."""
+
+    def _after_attention(self, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        normed, residual = self._add_and_norm(attention_out, residual)
         return residual + self.mlp(normed)
 
 
-class ResidualFusedDecoderLayerMixin(_ResidualFusedDecoderLayer):
-    """LLAMA_DECODER_LAYER_FORWARD (transformers 5.17: the cache argument is `past_key_values`).
-    Every argument goes on to the attention by name, as HF's forward passes it."""
+class SandwichNormDecoderLayerMixin(_ResidualFusedDecoderLayer):
+    """SANDWICH_NORM_DECODER_LAYER_FORWARDS (Gemma 2/3): norms after attention and MLP as well as before;
+    the residual add between them goes into the MLP's pre-norm."""
 
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache=False, position_embeddings=None, **kwargs):
-        return self._fused_forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                   past_key_values=past_key_values, use_cache=use_cache,
-                                   position_embeddings=position_embeddings, **kwargs)
+    fused_norm = "pre_feedforward_layernorm"
+
+    def _after_attention(self, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        normed, residual = self._add_and_norm(self.post_attention_layernorm(attention_out), residual)
+        return residual + self.post_feedforward_layernorm(self.mlp(normed))
 
 
 def _accepting_past_key_values(forward):
-    """HF's 5.24 forward still takes the old name `past_key_values` (with a warning) through this decorator."""
+    """HF's 5.24 forwards still take the old name `past_key_values` (with a warning) through this decorator."""
     try:
         from transformers.utils.deprecation import deprecate_kwarg
     except ImportError:  # a transformers without it has no callers of the old name to serve
@@ -305,20 +336,20 @@ def _accepting_past_key_values(forward):
     return deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")(forward)
 
 
-class CacheResidualFusedDecoderLayerMixin(_ResidualFusedDecoderLayer):
-    """LLAMA_DECODER_LAYER_CACHE_FORWARD (transformers 5.24: the cache argument is `cache`)."""
+class CachePreNormDecoderLayerMixin(PreNormDecoderLayerMixin):
+    """For layers whose forward renames `past_key_values` to `cache` through HF's decorator (5.24)."""
 
-    @_accepting_past_key_values
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None, use_cache=False,
-                position_embeddings=None, **kwargs):
-        return self._fused_forward(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                                   cache=cache, use_cache=use_cache, position_embeddings=position_embeddings,
-                                   **kwargs)
+    forward = _accepting_past_key_values(_ResidualFusedDecoderLayer.forward)
 
 
+class CacheSandwichNormDecoderLayerMixin(SandwichNormDecoderLayerMixin):
+    forward = _accepting_past_key_values(_ResidualFusedDecoderLayer.forward)
+
+
+# verified forwards -> (mixin, mixin when the forward carries the `cache` rename decorator)
 _DECODER_LAYER_MIXINS = (
-    (LLAMA_DECODER_LAYER_FORWARD, ResidualFusedDecoderLayerMixin),
-    (LLAMA_DECODER_LAYER_CACHE_FORWARD, CacheResidualFusedDecoderLayerMixin),
+    (PRE_NORM_DECODER_LAYER_FORWARDS, PreNormDecoderLayerMixin, CachePreNormDecoderLayerMixin),
+    (SANDWICH_NORM_DECODER_LAYER_FORWARDS, SandwichNormDecoderLayerMixin, CacheSandwichNormDecoderLayerMixin),
 )
 
 
@@ -493,17 +524,18 @@ def plan(module: nn.Module) -> Plan | None:
 
 
 def plan_decoder_layer(module: nn.Module) -> Plan | None:
-    """The fused residual add for a verified pre-norm decoder layer whose post-attention norm is already
-    on the kernel (after the leaves are swapped); None for every other module, with no reason given:
-    layers we do not recognise keep HF's add, which costs speed, never correctness."""
+    """The fused residual add for a verified decoder layer whose norm after attention is already on the
+    kernel (the leaves are swapped first); None for every other module, with no reason given: layers we
+    do not recognise keep HF's add, which costs speed, never correctness."""
     cls = type(module)
-    norm = getattr(module, "post_attention_layernorm", None)
-    if not isinstance(norm, FusedRMSNormMixin) or "forward" in norm.__dict__ or norm._forward_hooks:
-        return None
-    if not all(isinstance(getattr(module, name, None), nn.Module) for name in ("input_layernorm", "self_attn", "mlp")):
-        return None
     forward = inspect.unwrap(cls.forward)
-    for fingerprints, mixin in _DECODER_LAYER_MIXINS:
-        if matches(forward, fingerprints):
-            return Plan("rms_norm", f"{cls.__name__} (residual add in post_attention_layernorm)", mixin)
+    for fingerprints, mixin, cache_mixin in _DECODER_LAYER_MIXINS:
+        if not matches(forward, fingerprints):
+            continue
+        norm = getattr(module, mixin.fused_norm, None)
+        if not isinstance(norm, FusedRMSNormMixin) or "forward" in norm.__dict__ or norm._forward_hooks:
+            return None  # not on the kernel, or hooks that expect one tensor back
+        if cls.forward is not forward and "cache" in inspect.signature(forward).parameters:
+            mixin = cache_mixin
+        return Plan("rms_norm", f"{cls.__name__} (residual add in {mixin.fused_norm})", mixin)
     return None
