@@ -112,9 +112,9 @@ def apply_variant(model, variant: str):
         notes.append("fused: " + ", ".join(sorted(set(report.patched_kernels()))))
     if "hf-add" in modifiers:
         from fuseforge.transformers._swap import restore
-        from fuseforge.transformers.layers import _ResidualFusedDecoderLayer
+        from fuseforge.transformers.layers import ResidualFusedDecoderLayer
 
-        layers = [m for m in model.modules() if isinstance(m, _ResidualFusedDecoderLayer)]
+        layers = [m for m in model.modules() if isinstance(m, ResidualFusedDecoderLayer)]
         notes.append(f"HF's residual add in {sum(restore(m) for m in layers)} decoder layers")
     if "fp8" in modifiers:
         from fuseforge_flyte.training.fp8 import convert_to_fp8

@@ -541,11 +541,11 @@ def _decoder_layer_and_hf_twin(family, dtype):
     """A patched model, its first decoder layer (fused), a copy of it with HF's forward over the same fused
     modules, and the arguments the model passes that layer."""
     from fuseforge.transformers._swap import restore
-    from fuseforge.transformers.layers import _ResidualFusedDecoderLayer
+    from fuseforge.transformers.layers import ResidualFusedDecoderLayer
 
     model = tiny_model(family, **({"experts_implementation": "eager"} if family in MOE_FAMILIES else {})).to(dtype)
     _quiet_apply(model)
-    layer = next(m for m in model.modules() if isinstance(m, _ResidualFusedDecoderLayer))
+    layer = next(m for m in model.modules() if isinstance(m, ResidualFusedDecoderLayer))
     twin = copy.deepcopy(layer)
     assert restore(twin) and type(twin) is type(layer)._fuseforge_original
     call = {}

@@ -264,7 +264,7 @@ class BatchedSwiGLUExpertsMixin:
         return next_states.view(-1, self.hidden_size)
 
 
-class _ResidualFusedDecoderLayer:
+class ResidualFusedDecoderLayer:
     """A decoder layer whose residual add before the MLP's norm runs inside that norm's kernel.
 
     HF (pre-norm, Llama): `h = residual + attn; y = norm(h); out = h + mlp(y)`. Fused: `y, h = norm(attn,
@@ -308,7 +308,7 @@ class _ResidualFusedDecoderLayer:
         return norm(residual), residual
 
 
-class PreNormDecoderLayerMixin(_ResidualFusedDecoderLayer):
+class PreNormDecoderLayerMixin(ResidualFusedDecoderLayer):
     """PRE_NORM_DECODER_LAYER_FORWARDS: Llama and the families that copy its layer."""
 
     def _after_attention(self, attention_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -316,7 +316,7 @@ class PreNormDecoderLayerMixin(_ResidualFusedDecoderLayer):
         return residual + self.mlp(normed)
 
 
-class SandwichNormDecoderLayerMixin(_ResidualFusedDecoderLayer):
+class SandwichNormDecoderLayerMixin(ResidualFusedDecoderLayer):
     """SANDWICH_NORM_DECODER_LAYER_FORWARDS (Gemma 2/3): norms after attention and MLP as well as before;
     the residual add between them goes into the MLP's pre-norm."""
 
@@ -339,11 +339,11 @@ def _accepting_past_key_values(forward):
 class CachePreNormDecoderLayerMixin(PreNormDecoderLayerMixin):
     """For layers whose forward renames `past_key_values` to `cache` through HF's decorator (5.24)."""
 
-    forward = _accepting_past_key_values(_ResidualFusedDecoderLayer.forward)
+    forward = _accepting_past_key_values(ResidualFusedDecoderLayer.forward)
 
 
 class CacheSandwichNormDecoderLayerMixin(SandwichNormDecoderLayerMixin):
-    forward = _accepting_past_key_values(_ResidualFusedDecoderLayer.forward)
+    forward = _accepting_past_key_values(ResidualFusedDecoderLayer.forward)
 
 
 # verified forwards -> (mixin, mixin when the forward carries the `cache` rename decorator)
