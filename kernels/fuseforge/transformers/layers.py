@@ -1,4 +1,4 @@
-"""Fused replacements for Hugging Face leaf modules (norms, gated MLPs, MoE experts).
+"""Fused replacements for Hugging Face leaf modules (norms, gated MLPs, MoE experts) and decoder layers.
 
 Each replacement is a mixin whose `forward` calls a fuseforge kernel with the
 module's own parameters and submodules, so weights stay where they are and
@@ -20,6 +20,8 @@ listed in `fuseforge.transformers.TESTED_TRANSFORMERS`):
   normalisation without a weight), its MLP (`activation_fn`) and its experts, which run every
   token through every expert as batched matmuls, `up * act(gate)`.
 - GPT-OSS experts: their clamped SwiGLU gate on interleaved gate/up (`clamped_swiglu`).
+- Decoder layers (pre-norm as Llama's, sandwich-norm as Gemma 2/3's): the residual add before the MLP's
+  norm, inside that norm's kernel once the norms are swapped (`plan_decoder_layer`, a second pass).
 """
 
 from __future__ import annotations
