@@ -202,9 +202,8 @@ def _rope_dense_kernel(
                  BACKWARD, FP64, HALF_COS, IN_PAIRS, OUT_PAIRS)
 
 
-def _bht_strides(x: torch.Tensor, heads_dim: int) -> tuple[int, int, int]:
-    """Strides of `x` in (batch, head, token) order, whichever of dims 1/2 holds the heads (dim: unit)."""
-    s = x.stride()  # one call, not three: launches are host-bound
+def _bht_strides(s: tuple, heads_dim: int) -> tuple[int, int, int]:
+    """Strides `s` of a q/k tensor in (batch, head, token) order, whichever of dims 1/2 holds the heads."""
     return s[0], s[heads_dim], s[3 - heads_dim]
 
 
@@ -266,11 +265,13 @@ def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, layout
     grid, num_warps, constexprs = _plan(
         n_rows, n_q_heads, n_k_heads, half, head_dim, tile, backward, q_out.dtype == torch.float64, layout)
     cos, sin = _one_layout(cos, sin)
+    # each stride() read once: launches are host-bound
     q_strides, k_strides, cos_strides = q.stride(), k.stride(), cos.stride()
+    q_out_strides, k_out_strides = q_out.stride(), k_out.stride()
     cos_batched = cos.shape[0] > 1
     q_major = k_major = None
     # outputs come from empty_like, which keeps the strides of dense inputs only: equal strides mean dense q/k
-    if (q_out.stride() == q_strides and k_out.stride() == k_strides
+    if (q_out_strides == q_strides and k_out_strides == k_strides
             and (seq_len == 1 or cos_strides[1] == 2 * half)
             and (not cos_batched or cos_strides[0] == seq_len * 2 * half)):
         q_major = _dense_major(q_strides, heads_dim, n_q_heads, seq_len, head_dim)
@@ -281,10 +282,10 @@ def _launch(q, k, q_out, k_out, cos, sin, heads_dim: int, backward: bool, layout
         return
     _rope_kernel[grid](
         q, k, q_out, k_out, cos, sin,
-        *_bht_strides(q, heads_dim),
-        *_bht_strides(k, heads_dim),
-        *_bht_strides(q_out, heads_dim),
-        *_bht_strides(k_out, heads_dim),
+        *_bht_strides(q_strides, heads_dim),
+        *_bht_strides(k_strides, heads_dim),
+        *_bht_strides(q_out_strides, heads_dim),
+        *_bht_strides(k_out_strides, heads_dim),
         cos_strides[0] if cos_batched else 0, cos_strides[1],
         n_rows, seq_len, n_q_heads, n_k_heads,
         *constexprs,
