@@ -354,6 +354,11 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
+def fused_decoder_layers(report) -> int:
+    """Decoder layers whose residual add the patch moved into a norm (listed under rms_norm)."""
+    return sum(n for label, n in report.patched["rms_norm"].items() if "DecoderLayer" in label)
+
+
 def patched_copy(model, **flags):
     """A deep copy of `model` (same weights), patched; warnings are the caller's business."""
     clone = copy.deepcopy(model)
@@ -376,7 +381,7 @@ def test_every_module_of_a_supported_family_is_recognised(name):
     assert report.skipped == {kernel: [reason] for kernel, reason in unfused.items()}
     layers = model.config.get_text_config().num_hidden_layers
     norms = NORMS_TOTAL.get(family, NORMS_PER_LAYER.get(family, 2) * layers + 1)
-    decoder_layers = sum(n for label, n in report.patched["rms_norm"].items() if "DecoderLayer" in label)
+    decoder_layers = fused_decoder_layers(report)
     assert sum(report.patched["rms_norm"].values()) - decoder_layers == norms
     assert decoder_layers == (layers if name in RESIDUAL_FUSED_DECODER_LAYERS else 0), report
     if "rope" in unfused:
