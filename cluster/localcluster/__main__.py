@@ -1,0 +1,5 @@
+import sys
+
+from .cluster import main
+
+sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,65 @@
+"""Wait for a component to answer, and say which one did not, with the end of its log."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+from . import processes
+from .layout import log_path
+
+
+class ComponentFailed(RuntimeError):
+    pass
+
+
+def log_tail(component: str, lines: int = 30) -> str:
+    try:
+        return "\n".join(log_path(component).read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def wait(component: str, check: Callable[[], bool], *, timeout: float, what: str) -> None:
+    """Poll check() until it is true; fail early if the component's process exited."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if check():
+                return
+        except Exception:
+            pass
+        if component in processes.names() and processes.running_pid(component) is None:
+            raise ComponentFailed(f"{component} exited before {what}; end of {log_path(component)}:\n{log_tail(component)}")
+        if time.monotonic() > deadline:
+            raise ComponentFailed(
+                f"{component}: no {what} after {timeout:.0f} s; end of {log_path(component)}:\n{log_tail(component)}"
+            )
+        time.sleep(0.25)
+
+
+def tcp_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def port_in_use(host: str, port: int) -> bool:
+    return tcp_open(host, port)
+
+
+def https_ok(url: str, *, ca: Path, cert: Path | None = None, key: Path | None = None) -> bool:
+    context = ssl.create_default_context(cafile=str(ca))
+    if cert:
+        context.load_cert_chain(str(cert), str(key))
+    with urllib.request.urlopen(url, context=context, timeout=3) as response:
+        return response.status == 200
+
+
+def http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=3) as response:
+        return response.status < 400
