@@ -48,27 +48,27 @@ func start(pattern string) int {
 		services = append(services, service{name: "admin", argv: []string{"flyteadmin", "serve"}})
 		if !settings.Admin.DisableScheduler {
 			services = append(services, service{name: "scheduler", argv: []string{"flytescheduler", "run"},
-				ports: "scheduler:\n  profilerPort: 10256\n"})
+				ports: "scheduler:\n  profilerPort: 10263\n"})
 		}
 		if !settings.Admin.DisableClusterResourceManager {
 			services = append(services, service{name: "clusterresource", argv: []string{"flyteadmin", "clusterresource", "run"},
-				ports: "flyteadmin:\n  profilerPort: 10255\n"})
+				ports: "flyteadmin:\n  profilerPort: 10262\n"})
 		}
 	}
 	if !settings.DataCatalog.Disabled {
 		setup = append(setup, service{name: "datacatalog-migrate", argv: []string{"datacatalog", "migrate", "run"},
-			ports: "datacatalog:\n  profiler-port: 10257\n"})
+			ports: "datacatalog:\n  profiler-port: 10264\n"})
 		services = append(services, service{name: "datacatalog", argv: []string{"datacatalog", "serve"},
-			ports: "datacatalog:\n  profiler-port: 10257\n"})
+			ports: "datacatalog:\n  profiler-port: 10264\n"})
 	}
 	if !settings.Propeller.Disabled {
 		services = append(services, service{name: "propeller", argv: []string{"flytepropeller"},
-			ports: "propeller:\n  prof-port: 10258\n"})
+			ports: "propeller:\n  prof-port: 10265\n"})
 		if !settings.Propeller.DisableWebhook {
 			setup = append(setup, service{name: "webhook-certs", argv: []string{"flytepropeller", "webhook", "init-certs"},
-				ports: "propeller:\n  prof-port: 10260\n"})
+				ports: "propeller:\n  prof-port: 10266\n"})
 			services = append(services, service{name: "webhook", argv: []string{"flytepropeller", "webhook"},
-				ports: "propeller:\n  prof-port: 10260\n"})
+				ports: "propeller:\n  prof-port: 10266\n"})
 		}
 	}
 

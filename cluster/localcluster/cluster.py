@@ -26,6 +26,9 @@ OPERATOR_NAMESPACE = "kubeflow"
 OPERATOR_CERT_DIR = Path("/tmp/k8s-webhook-server/serving-certs")
 FLYTE_NAMESPACE = "flyte"
 BUCKET = "fuseforge-flyte"
+OBJECT_STORE_SECRET = "fuseforge-object-store"
+RELEASE = "fuseforge"
+LOCAL_VALUES = REPO / "cluster" / "local-values.yaml"
 
 
 def log(message: str) -> None:
@@ -48,13 +51,21 @@ def _paths() -> dict[str, Path]:
     }
 
 
-def _link_binaries(programs: dict[str, Path], folder: Path) -> None:
-    """state/bin holds every program under its own name (the node puts it on pods' PATH)."""
+def _link_binaries(programs: dict[str, Path], folder: Path) -> dict[str, Path]:
+    """state/bin holds every program under its own name: the node puts it on pods' PATH, and pods that
+    run as another user (Flyte runs as nobody) can read it there, unlike the cache in root's home."""
     folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o755)
+    linked = {}
     for name, target in programs.items():
         link = folder / name
         link.unlink(missing_ok=True)
-        link.symlink_to(target)
+        try:
+            os.link(target, link)
+        except OSError:
+            shutil.copy2(target, link)
+        linked[name] = link
+    return linked
 
 
 def _check_ports() -> None:
@@ -92,7 +103,7 @@ def up(*, with_node: bool = True, with_operator: bool = True) -> None:
     wanted = ["kube", "stores"] + (["node"] if with_node else []) + (["operator"] if with_operator else [])
     wanted += ["flyte", "flyteadmin", "flytepropeller", "datacatalog"]
     programs = build.build_all(wanted)
-    _link_binaries(programs, paths["bin"])
+    programs = _link_binaries(programs, paths["bin"])
     built = time.monotonic()
     kube = programs["kube"]
     tool("kubectl"), tool("helm")
@@ -153,6 +164,9 @@ def up(*, with_node: bool = True, with_operator: bool = True) -> None:
             "--entrypoint", f"cr.flyte.org/flyteorg/flyte-binary-release={paths['bin'] / 'flyte'}",
         ])
         health.wait("node", _node_ready, timeout=90, what="a Ready Node")
+        # What GPU feature discovery does on a GPU node: the GPU PodTemplate selects on it.
+        if int(os.environ.get("FUSEFORGE_CLUSTER_GPUS", "8")) > 0:
+            kubectl("label", "node", NODE_NAME, "nvidia.com/gpu.present=true", "--overwrite")
     _cluster_services(paths)
     if with_operator:
         _start_operator(programs["training-operator"], paths)
@@ -182,7 +196,8 @@ def _node_ready() -> bool:
 
 
 def _cluster_services(paths: dict[str, Path]) -> None:
-    """Namespace `flyte`, and Services naming the database and object store (resolved by the node's DNS)."""
+    """Namespace `flyte`, the Service naming the database (resolved by the node's DNS), and the Secrets
+    a user creates before installing: the database password and the object store's keys."""
     apply(
         f"""apiVersion: v1
 kind: Namespace
@@ -199,6 +214,21 @@ spec:
   - port: {PORTS.postgres}
 """
     )
+    apply(kubectl("-n", FLYTE_NAMESPACE, "create", "secret", "generic", "fuseforge-flyte-db",
+                  f"--from-file=password={paths['secrets'] / 'postgres-password'}",
+                  "--dry-run=client", "-o", "yaml").stdout)
+    apply(object_store_secret(FLYTE_NAMESPACE))
+
+
+def object_store_secret(namespace: str) -> str:
+    """Secret fuseforge-object-store: the S3 keys as the AWS_* variables both Flyte and flytekit read."""
+    secrets = _paths()["secrets"]
+    return kubectl(
+        "-n", namespace, "create", "secret", "generic", OBJECT_STORE_SECRET,
+        f"--from-file=AWS_ACCESS_KEY_ID={secrets / 's3-access-key'}",
+        f"--from-file=AWS_SECRET_ACCESS_KEY={secrets / 's3-secret-key'}",
+        "--dry-run=client", "-o", "yaml",
+    ).stdout
 
 
 def _operator_module_dir() -> Path:
@@ -271,6 +301,33 @@ def _start_operator(binary: Path, paths: dict[str, Path]) -> None:
                 timeout=90, what="/readyz")
 
 
+def helm(*args: str, check: bool = True, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([tool("helm"), f"--kubeconfig={admin_kubeconfig()}", *args],
+                            capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"helm {' '.join(args)} failed:\n{result.stderr.strip()}")
+    return result
+
+
+def task_namespaces() -> list[str]:
+    """The namespaces the installed chart made for Flyte's project-domains."""
+    found = get_json("namespaces", "-l", "app.kubernetes.io/component=platform")
+    return sorted(item["metadata"]["name"] for item in found["items"])
+
+
+def install(*extra_values: str, timeout: str = "5m") -> None:
+    """`helm install fuseforge charts/fuseforge` with cluster/local-values.yaml, as the README shows,
+    then the object store's keys in each task namespace, then wait until Flyte is ready."""
+    started = time.monotonic()
+    values = ["-f", str(LOCAL_VALUES)] + [arg for v in extra_values for arg in ("-f", v)]
+    helm("install", RELEASE, str(REPO / "charts" / "fuseforge"), "-n", FLYTE_NAMESPACE, *values)
+    for namespace in task_namespaces():
+        apply(object_store_secret(namespace))
+    kubectl("-n", FLYTE_NAMESPACE, "rollout", "status", f"deployment/{RELEASE}-flyte-binary", f"--timeout={timeout}",
+            timeout=600)
+    log(f"installed {RELEASE} in {time.monotonic() - started:.0f} s")
+
+
 def down() -> None:
     """Stop what `up` started (by pid, in reverse order) and remove the cluster's state."""
     for name in reversed(COMPONENTS):
@@ -292,13 +349,15 @@ def status() -> dict[str, str]:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("up", "down", "status", "logs"):
-        print("usage: cluster.sh up|down|status|logs COMPONENT", file=sys.stderr)
+    if not argv or argv[0] not in ("up", "down", "status", "logs", "install"):
+        print("usage: cluster.sh up|install|down|status|logs COMPONENT", file=sys.stderr)
         return 2
     command = argv[0]
     try:
         if command == "up":
             up()
+        elif command == "install":
+            install(*argv[1:])
         elif command == "down":
             down()
         elif command == "status":
