@@ -31,6 +31,17 @@ fi
 PY="$VENV/bin/python"
 if ! "$PY" -c "import fuseforge, fuseforge_flyte, flytekit, pytest, trl" >/dev/null 2>&1 || [ "${FUSEFORGE_REINSTALL:-0}" = 1 ]; then
     "$PY" -m pip install -q --upgrade pip
+    # An index that cannot be reached (no DNS for it on some machines) would only add pip's retries to
+    # every install: say so once and take torch from PyPI (on Linux x86_64 its CUDA build, which runs on
+    # the CPU too).
+    if [ -n "$TORCH_INDEX" ] && ! python3 - "$TORCH_INDEX" <<'PY' >/dev/null 2>&1
+import sys, urllib.request
+urllib.request.urlopen(sys.argv[1] + "/", timeout=10)
+PY
+    then
+        echo "setup_env: $TORCH_INDEX cannot be reached from this machine; installing $TORCH_SPEC from PyPI" >&2
+        TORCH_INDEX=""
+    fi
     # An extra index (not --index-url): pip's own index and any local wheelhouse it is configured with
     # stay in use; among equal versions the index's local build (2.13.0+cpu) ranks above PyPI's.
     if [ -n "$TORCH_INDEX" ]; then

@@ -98,6 +98,8 @@ def _secret(path: Path, value_factory) -> str:
 def up(*, with_node: bool = True, with_operator: bool = True) -> None:
     started = time.monotonic()
     paths = _paths()
+    if missing := missing_packages():
+        raise RuntimeError("missing packages: " + " ".join(missing) + " (bash scripts/cluster.sh deps installs them)")
     if not any(processes.running_pid(c) for c in COMPONENTS):
         _check_ports()
     wanted = ["kube", "stores"] + (["node"] if with_node else []) + (["operator"] if with_operator else [])
@@ -348,14 +350,51 @@ def status() -> dict[str, str]:
     return {name: (f"running (pid {pid})" if (pid := processes.running_pid(name)) else "stopped") for name in COMPONENTS}
 
 
+# Machine packages the control plane needs: program -> Debian package.
+DEBIAN_PACKAGES = {"nslookup": "bind9-dnsutils", "openssl": "openssl", "setpriv": "util-linux", "pg_isready": "postgresql"}
+
+
+def missing_packages() -> list[str]:
+    missing = [pkg for program, pkg in DEBIAN_PACKAGES.items() if shutil.which(program) is None]
+    try:
+        postgres.bin_dir()
+    except RuntimeError:
+        missing.append("postgresql")
+    return sorted(set(missing))
+
+
+def deps() -> None:
+    """Install the Debian packages the cluster needs (as root), or say which are missing."""
+    missing = missing_packages()
+    for program in ("go", "npm"):
+        if shutil.which(program) is None:
+            raise RuntimeError(f"{program} is not installed (the cluster's programs are built with Go; helm and kubectl come from npm)")
+    if not missing:
+        return
+    command = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
+    if os.geteuid() != 0:
+        raise RuntimeError("missing packages: " + " ".join(missing) + "; install them with: sudo " + " ".join(command))
+    log("installing " + " ".join(missing))
+    if subprocess.run(command, capture_output=True).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], check=True, capture_output=True)
+        subprocess.run(command, check=True, capture_output=True)
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("up", "down", "status", "logs", "install"):
-        print("usage: cluster.sh up|install|down|status|logs COMPONENT", file=sys.stderr)
+    if not argv or argv[0] not in ("up", "down", "status", "logs", "install", "build", "deps"):
+        print("usage: cluster.sh deps|build|up|install|down|status|logs COMPONENT", file=sys.stderr)
         return 2
     command = argv[0]
     try:
         if command == "up":
             up()
+        elif command == "deps":
+            deps()
+        elif command == "build":
+            started = time.monotonic()
+            build.build_all(None)
+            tool("kubectl"), tool("helm")
+            log(f"binaries ready in {time.monotonic() - started:.0f} s")
         elif command == "install":
             install(*argv[1:])
         elif command == "down":
