@@ -327,7 +327,30 @@ def install(*extra_values: str, timeout: str = "5m") -> None:
         apply(object_store_secret(namespace))
     kubectl("-n", FLYTE_NAMESPACE, "rollout", "status", f"deployment/{RELEASE}-flyte-binary", f"--timeout={timeout}",
             timeout=600)
-    log(f"installed {RELEASE} in {time.monotonic() - started:.0f} s")
+    write_flyte_config()
+    log(f"installed {RELEASE} in {time.monotonic() - started:.0f} s; pyflyte/flytectl config: {flyte_config_path()}")
+
+
+def flyte_config_path() -> Path:
+    return state_dir() / "flyte" / "config.yaml"
+
+
+def write_flyte_config() -> Path:
+    """The pyflyte/flytectl configuration `flytectl config init --host 127.0.0.1:8089 --insecure` writes
+    (Flyte's gRPC API, which the Flyte pod serves on this machine's loopback)."""
+    path = flyte_config_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "admin:\n"
+        f"  # For gRPC endpoints you might want to use dns:///flyte.myexample.com\n"
+        f"  endpoint: dns:///{HOST}:8089\n"
+        "  authType: Pkce\n"
+        "  insecure: true\n"
+        "logger:\n"
+        "  show-source: true\n"
+        "  level: 0\n"
+    )
+    return path
 
 
 def down() -> None:
