@@ -29,6 +29,8 @@ BUCKET = "fuseforge-flyte"
 OBJECT_STORE_SECRET = "fuseforge-object-store"
 RELEASE = "fuseforge"
 LOCAL_VALUES = REPO / "cluster" / "local-values.yaml"
+# The training image as cluster/local-values.yaml names it (registry/name).
+LOCAL_IMAGE_PREFIX = f"{HOST}:{PORTS.registry}/fuseforge"
 
 
 def log(message: str) -> None:
@@ -164,6 +166,9 @@ def up(*, with_node: bool = True, with_operator: bool = True) -> None:
             "--client-ca", str(ca), "--dns-address", DNS_ADDRESS, "--cluster-domain", "cluster.local",
             "--path", os.pathsep.join(_pod_path(paths["bin"])),
             "--entrypoint", f"cr.flyte.org/flyteorg/flyte-binary-release={paths['bin'] / 'flyte'}",
+            # The fuseforge image's user owns its WORKDIR (images/Dockerfile); here a fresh one per container.
+            "--workdir", f"{LOCAL_IMAGE_PREFIX}=/home/flytekit",
+            *[arg for folder in _closed_ancestors() for arg in ("--traversable", folder)],
         ])
         health.wait("node", _node_ready, timeout=90, what="a Ready Node")
         # What GPU feature discovery does on a GPU node: the GPU PodTemplate selects on it.
@@ -186,6 +191,18 @@ def _pod_path(bin_dir: Path) -> list[str]:
     """What pods find on PATH: the project's virtualenv (the "image") and the cluster's programs."""
     venv = Path(os.environ.get("FUSEFORGE_VENV") or REPO / ".venv")
     return [str(venv / "bin"), str(bin_dir)]
+
+
+def _closed_ancestors() -> list[str]:
+    """Folders on the way to the virtualenv's interpreter that other users cannot enter (pyenv under
+    /root): pods run as other users (the chart's uid 1001, Flyte's nobody) and must start it."""
+    venv = Path(os.environ.get("FUSEFORGE_VENV") or REPO / ".venv")
+    closed = []
+    for target in {(venv / "bin" / "python").resolve(), venv.resolve()}:
+        for folder in reversed(target.parents):
+            if folder.is_dir() and not folder.stat().st_mode & 0o001 and str(folder) not in closed:
+                closed.append(str(folder))
+    return closed
 
 
 def _default_service_account() -> bool:
@@ -291,12 +308,15 @@ def _start_operator(binary: Path, paths: dict[str, Path]) -> None:
         (state_dir() / "operator-cert-dir").write_text(str(OPERATOR_CERT_DIR))
     shutil.copy(paths["pki"] / "operator-webhook.crt", OPERATOR_CERT_DIR / "tls.crt")
     shutil.copy(paths["pki"] / "operator-webhook.key", OPERATOR_CERT_DIR / "tls.key")
-    env = dict(os.environ, KUBEFLOW_NAMESPACE=OPERATOR_NAMESPACE)
+    # KUBEFLOW_NAMESPACE stays unset: the operator would also take it as the only namespace to watch
+    # (its certificates default to namespace kubeflow).
+    env = {k: v for k, v in os.environ.items() if k != "KUBEFLOW_NAMESPACE"}
     _start("training-operator", [
         str(binary), f"--kubeconfig={config}", "--enable-scheme=pytorchjob",
         f"--metrics-bind-address={HOST}:{PORTS.operator_metrics}",
         f"--health-probe-bind-address={HOST}:{PORTS.operator_health}",
         f"--webhook-server-port={PORTS.operator_webhook}",
+        f"--pytorch-init-container-template-file={REPO / 'cluster' / 'operator-init-container.yaml'}",
         "--zap-log-level=info", "--zap-devel=false",
     ], env=env)
     health.wait("training-operator", lambda: health.http_ok(f"http://{HOST}:{PORTS.operator_health}/readyz"),

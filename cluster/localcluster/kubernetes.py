@@ -21,7 +21,23 @@ def etcd(kube: Path, data: Path) -> list[str]:
     ]
 
 
+AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+- level: None
+  resources: [{group: coordination.k8s.io, resources: [leases]}]
+- level: None
+  nonResourceURLs: ["/healthz*", "/readyz*", "/livez*"]
+- level: Metadata
+"""
+
+
 def apiserver(kube: Path, pki: Path, audit_log: Path) -> list[str]:
+    """Every request is audited (who did what: the tests read it) except leases and health checks."""
+    policy = audit_log.parent / "audit-policy.yaml"
+    policy.parent.mkdir(parents=True, exist_ok=True)
+    policy.write_text(AUDIT_POLICY)
     return [
         str(kube), "kube-apiserver",
         f"--etcd-servers=http://{HOST}:{PORTS.etcd_client}",
@@ -49,7 +65,7 @@ def apiserver(kube: Path, pki: Path, audit_log: Path) -> list[str]:
         "--allow-privileged=true",
         # The API server's own address is loopback, which an Endpoints object may not hold.
         "--endpoint-reconciler-type=none",
-        f"--audit-log-path={audit_log}", "--audit-log-maxsize=50",
+        f"--audit-policy-file={policy}", f"--audit-log-path={audit_log}", "--audit-log-maxsize=100",
         "--profiling=false",
         "-v=1",
     ]

@@ -41,6 +41,14 @@ type Config struct {
 	// Entrypoints maps image prefixes to the argv that stands in for the image's
 	// ENTRYPOINT when a container gives args but no command.
 	Entrypoints []Entrypoint
+	// Workdirs maps image prefixes to the WORKDIR (and HOME) of that image's
+	// user: a container of such an image that names no workingDir starts there,
+	// in a directory its user owns, as in an image whose WORKDIR belongs to it.
+	Workdirs []Workdir
+	// Traversable directories get o+x inside every container (not on the host):
+	// "the image" is this machine's environment, whose interpreter may live under
+	// a home directory that other users cannot enter (/root/.pyenv).
+	Traversable []string
 	// Env is added to every container before the container's own env.
 	Env []KV
 	// Verbose turns on debug logging.
@@ -51,6 +59,12 @@ type Config struct {
 type Entrypoint struct {
 	Prefix string
 	Argv   []string
+}
+
+// Workdir is one --workdir IMAGE_PREFIX=DIR.
+type Workdir struct {
+	Prefix string
+	Dir    string
 }
 
 // KV is one --env KEY=VALUE.
@@ -67,7 +81,7 @@ func Parse(args []string, errOut io.Writer) (*Config, error) {
 	fs.SetOutput(errOut)
 	c := &Config{}
 	var cpus, memory string
-	var entrypoints, envs []string
+	var entrypoints, envs, workdirs, traversable []string
 	fs.StringVar(&c.Kubeconfig, "kubeconfig", "", "kubeconfig with the node's client credentials (CN system:node:NAME)")
 	fs.StringVar(&c.NodeName, "node-name", "", "name of the Node object to register")
 	fs.StringVar(&c.StateDir, "state-dir", "", "directory for pod volumes, container overlays and logs")
@@ -82,6 +96,8 @@ func Parse(args []string, errOut io.Writer) (*Config, error) {
 	fs.StringVar(&c.DNSAddress, "dns-address", "127.0.0.10:53", "loopback address of the cluster DNS server (UDP and TCP)")
 	fs.StringVar(&c.ClusterDomain, "cluster-domain", "cluster.local", "cluster DNS domain")
 	fs.StringVar(&c.Path, "path", "", "directories put before the host PATH in every container")
+	fs.Var(listFlag{&workdirs}, "workdir", "IMAGE_PREFIX=DIR: working directory and HOME, owned by the container's user, for containers of such an image without workingDir (repeatable)")
+	fs.Var(listFlag{&traversable}, "traversable", "DIR: made enterable (o+x) inside every container, for the environment's interpreter (repeatable)")
 	fs.Var(listFlag{&entrypoints}, "entrypoint", "IMAGE_PREFIX=EXECUTABLE: what runs when a container of such an image has args but no command (repeatable)")
 	fs.Var(listFlag{&envs}, "env", "KEY=VALUE added to every container's environment (repeatable)")
 	fs.BoolVar(&c.Verbose, "v", false, "debug logging")
@@ -171,6 +187,22 @@ func Parse(args []string, errOut io.Writer) (*Config, error) {
 	sort.SliceStable(c.Entrypoints, func(i, j int) bool {
 		return len(c.Entrypoints[i].Prefix) > len(c.Entrypoints[j].Prefix)
 	})
+	for _, w := range workdirs {
+		prefix, dir, ok := strings.Cut(w, "=")
+		if !ok || prefix == "" || !filepath.IsAbs(dir) {
+			errs = append(errs, fmt.Errorf("--workdir %q: want IMAGE_PREFIX=/ABSOLUTE/DIR", w))
+			continue
+		}
+		c.Workdirs = append(c.Workdirs, Workdir{Prefix: prefix, Dir: filepath.Clean(dir)})
+	}
+	sort.SliceStable(c.Workdirs, func(i, j int) bool { return len(c.Workdirs[i].Prefix) > len(c.Workdirs[j].Prefix) })
+	for _, d := range traversable {
+		if !filepath.IsAbs(d) {
+			errs = append(errs, fmt.Errorf("--traversable %q: want an absolute directory", d))
+			continue
+		}
+		c.Traversable = append(c.Traversable, filepath.Clean(d))
+	}
 	for _, e := range envs {
 		k, v, ok := strings.Cut(e, "=")
 		if !ok || k == "" {
@@ -193,6 +225,16 @@ func (c *Config) EntrypointFor(image string) []string {
 		}
 	}
 	return nil
+}
+
+// WorkdirFor returns the --workdir configured for image (longest matching prefix), or "".
+func (c *Config) WorkdirFor(image string) string {
+	for _, w := range c.Workdirs {
+		if strings.HasPrefix(image, w.Prefix) {
+			return w.Dir
+		}
+	}
+	return ""
 }
 
 func numCPU() int { return goruntime.NumCPU() }

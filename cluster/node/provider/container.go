@@ -471,7 +471,17 @@ func (c *container) buildSpec() (*runtime.Spec, bool, error) {
 		path += cfg.HostPath
 	}
 	base.Set("PATH", path)
-	base.Set("HOME", id.Home)
+	workdir := c.spec.WorkingDir
+	imageWorkdir := ""
+	if workdir == "" {
+		imageWorkdir = cfg.Node.WorkdirFor(c.spec.Image)
+		workdir = imageWorkdir
+	}
+	if imageWorkdir != "" {
+		base.Set("HOME", imageWorkdir)
+	} else {
+		base.Set("HOME", id.Home)
+	}
 	base.Set("HOSTNAME", hostname)
 	for _, kv := range cfg.Node.Env {
 		base.Set(kv.Key, kv.Value)
@@ -558,7 +568,9 @@ func (c *container) buildSpec() (*runtime.Spec, bool, error) {
 		ShmSource:   shm,
 		Mounts:      mounts,
 		Files:       files,
-		WorkingDir:  c.spec.WorkingDir,
+		WorkingDir:  workdir,
+		OwnedDir:    imageWorkdir,
+		Traversable: cfg.Node.Traversable,
 		Argv:        argv,
 		Env:         vars.Environ(),
 		UID:         id.UID,

@@ -167,6 +167,21 @@ func buildRoot(spec *Spec) error {
 	if err := os.Chdir("/"); err != nil {
 		return err
 	}
+	for _, d := range spec.Traversable {
+		if st, err := os.Stat(d); err == nil && st.IsDir() && st.Mode().Perm()&0o001 == 0 {
+			if err := os.Chmod(d, st.Mode().Perm()|0o001); err != nil {
+				return fmt.Errorf("making %s traversable: %w", d, err)
+			}
+		}
+	}
+	if spec.OwnedDir != "" {
+		if err := os.MkdirAll(spec.OwnedDir, 0o755); err != nil {
+			return fmt.Errorf("workdir %s: %w", spec.OwnedDir, err)
+		}
+		if err := os.Lchown(spec.OwnedDir, int(spec.UID), int(spec.GID)); err != nil {
+			return fmt.Errorf("workdir %s: %w", spec.OwnedDir, err)
+		}
+	}
 	for _, f := range spec.Files {
 		_ = os.Remove(f.Path) // a symlink (/etc/resolv.conf) must not be written through
 		if err := os.MkdirAll(filepath.Dir(f.Path), 0o755); err != nil {

@@ -43,6 +43,11 @@ type Spec struct {
 	Mounts      []Mount `json:"mounts,omitempty"`
 	Files       []File  `json:"files,omitempty"`
 	WorkingDir  string  `json:"workingDir,omitempty"`
+	// OwnedDir is created (if missing) and given to UID:GID before the user
+	// changes: the image user's WORKDIR.
+	OwnedDir string `json:"ownedDir,omitempty"`
+	// Traversable directories get o+x in the container's root (overlay copy-up).
+	Traversable []string `json:"traversable,omitempty"`
 	// Argv[0] is looked up in the container's PATH when it has no slash.
 	Argv         []string `json:"argv"`
 	Env          []string `json:"env"`
