@@ -100,6 +100,8 @@ def _secret(path: Path, value_factory) -> str:
 def up(*, with_node: bool = True, with_operator: bool = True) -> None:
     started = time.monotonic()
     paths = _paths()
+    state_dir().mkdir(parents=True, exist_ok=True)
+    state_dir().chmod(0o755)
     if missing := missing_packages():
         raise RuntimeError("missing packages: " + " ".join(missing) + " (bash scripts/cluster.sh deps installs them)")
     if not any(processes.running_pid(c) for c in COMPONENTS):

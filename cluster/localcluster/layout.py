@@ -46,8 +46,11 @@ def cache_dir() -> Path:
 
 
 def state_dir() -> Path:
-    """Everything of one running cluster (data, certificates, logs, pids); removed by `down`."""
-    return Path(os.environ.get("FUSEFORGE_CLUSTER_DIR") or REPO / ".cluster")
+    """Everything of one running cluster (data, certificates, logs, pids); removed by `down`.
+
+    Outside the checkout (pyflyte packages the checkout for registration) and outside root's home:
+    PostgreSQL and pods run as other users and must reach it."""
+    return Path(os.environ.get("FUSEFORGE_CLUSTER_DIR") or f"/tmp/fuseforge-cluster-{os.getuid()}")
 
 
 def log_path(component: str) -> Path:
