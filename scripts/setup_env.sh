@@ -5,12 +5,13 @@
 # as an extra index: on Linux x86_64 a plain `pip install torch` from PyPI is the multi-GB CUDA build.
 # Env: FUSEFORGE_VENV (the virtualenv), FUSEFORGE_TORCH (the torch pip spec, default torch==2.13.0),
 #      FUSEFORGE_TORCH_INDEX (the extra wheel index for torch; default: the CPU index without a GPU, none
-#      with one; "" for none), FUSEFORGE_REINSTALL=1 (install again).
+#      with one; "" for none), FUSEFORGE_REINSTALL=1 (install again), FUSEFORGE_CPU_TORCH_INDEX (that CPU
+#      index), FUSEFORGE_TORCH_INDEX_CHECK=off (use the default index without checking that it answers).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${FUSEFORGE_VENV:-$ROOT/.venv}"
 TORCH_SPEC="${FUSEFORGE_TORCH:-torch==2.13.0}"
-CPU_TORCH_INDEX="https://download.pytorch.org/whl/cpu"
+CPU_TORCH_INDEX="${FUSEFORGE_CPU_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
 
 has_nvidia_gpu() {
     command -v nvidia-smi >/dev/null 2>&1 && return 0
@@ -23,6 +24,7 @@ elif has_nvidia_gpu; then
     TORCH_INDEX=""
 else
     TORCH_INDEX="$CPU_TORCH_INDEX"
+    CHECK_TORCH_INDEX="${FUSEFORGE_TORCH_INDEX_CHECK:-on}"
 fi
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -31,10 +33,10 @@ fi
 PY="$VENV/bin/python"
 if ! "$PY" -c "import fuseforge, fuseforge_flyte, flytekit, pytest, trl" >/dev/null 2>&1 || [ "${FUSEFORGE_REINSTALL:-0}" = 1 ]; then
     "$PY" -m pip install -q --upgrade pip
-    # An index that cannot be reached (no DNS for it on some machines) would only add pip's retries to
-    # every install: say so once and take torch from PyPI (on Linux x86_64 its CUDA build, which runs on
-    # the CPU too).
-    if [ -n "$TORCH_INDEX" ] && ! python3 - "$TORCH_INDEX" <<'PY' >/dev/null 2>&1
+    # The default CPU index cannot be reached from some machines (no DNS for it): it would only add pip's
+    # retries, so say so once and take torch from PyPI (on Linux x86_64 its CUDA build, which also runs
+    # on the CPU). An index set in FUSEFORGE_TORCH_INDEX is used as given.
+    if [ "${CHECK_TORCH_INDEX:-off}" != off ] && ! python3 - "$TORCH_INDEX" <<'PY' >/dev/null 2>&1
 import sys, urllib.request
 urllib.request.urlopen(sys.argv[1] + "/", timeout=10)
 PY

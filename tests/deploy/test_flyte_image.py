@@ -431,15 +431,26 @@ def no_gpu_here() -> bool:
 
 @pytest.mark.skipif(not no_gpu_here(), reason="this machine has an NVIDIA GPU")
 def test_setup_env_takes_cpu_torch_without_a_gpu(tmp_path):
-    call = torch_install(run_setup_env(tmp_path))
+    call = torch_install(run_setup_env(tmp_path, FUSEFORGE_TORCH_INDEX_CHECK="off"))
     # An extra index, so that pip's own index (or a configured wheelhouse) still serves everything else.
     assert call[-3:] == ["--extra-index-url", "https://download.pytorch.org/whl/cpu", "torch==2.13.0"]
     assert "--index-url" not in call
     # FUSEFORGE_TORCH still picks the build; FUSEFORGE_TORCH_INDEX the index ("" = none).
-    call = torch_install(run_setup_env(tmp_path, FUSEFORGE_TORCH="torch==2.12.0"))
+    call = torch_install(run_setup_env(tmp_path, FUSEFORGE_TORCH="torch==2.12.0", FUSEFORGE_TORCH_INDEX_CHECK="off"))
     assert call[-3:] == ["--extra-index-url", "https://download.pytorch.org/whl/cpu", "torch==2.12.0"]
     call = torch_install(run_setup_env(tmp_path, FUSEFORGE_TORCH_INDEX=""))
     assert "--extra-index-url" not in call and call[-1] == "torch==2.13.0"
+
+
+@pytest.mark.skipif(not no_gpu_here(), reason="this machine has an NVIDIA GPU")
+def test_setup_env_takes_torch_from_pypi_when_the_cpu_index_cannot_be_reached(tmp_path, closed_port):
+    unreachable = f"http://127.0.0.1:{closed_port}/whl/cpu"
+    calls = run_setup_env(tmp_path, FUSEFORGE_CPU_TORCH_INDEX=unreachable)
+    call = torch_install(calls)
+    assert "--extra-index-url" not in call and call[-1] == "torch==2.13.0"
+    # An index the user names is used as given, reachable or not.
+    call = torch_install(run_setup_env(tmp_path, FUSEFORGE_TORCH_INDEX=unreachable))
+    assert call[-3:] == ["--extra-index-url", unreachable, "torch==2.13.0"]
 
 
 def test_setup_env_takes_the_default_torch_with_a_gpu(tmp_path):
