@@ -48,6 +48,13 @@ def control_plane():
         raise
     yield local
     local.down()
+    # `down` leaves no processes, ports or files behind.
+    from localcluster.layout import HOST, PORTS
+
+    listening = [f for f in PORTS.__dataclass_fields__ if health.port_in_use(HOST, getattr(PORTS, f))]
+    assert not listening, f"still listening after down: {listening}"
+    assert not folder.exists(), f"{folder} left after down"
+    assert not local.OPERATOR_CERT_DIR.exists(), f"{local.OPERATOR_CERT_DIR} left after down"
 
 
 @pytest.fixture(scope="session")
