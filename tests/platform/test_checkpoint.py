@@ -531,9 +531,11 @@ run_local(TrainSpec(**json.loads(sys.argv[1])), 2, start_method="fork")
 
 
 def _launch(spec, **kwargs):
+    """Two workers started fresh (spawn): this pytest worker may already have run autograd, after which
+    torch refuses autograd in forked children (the CUDA build of torch, which PyPI serves, says so)."""
     from fuseforge_flyte.training.local import run_local
 
-    return run_local(spec, 2, start_method="fork", **kwargs)
+    return run_local(spec, 2, start_method="spawn", **kwargs)
 
 
 def test_sigterm_to_the_elastic_agent_checkpoints_and_the_restart_redoes_nothing(tmp_path):
