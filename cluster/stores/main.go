@@ -52,12 +52,16 @@ func serveS3(args []string) error {
 	root := flags.String("root", "", "directory holding the buckets")
 	bucket := flags.String("bucket", "", "bucket created at start")
 	accessKeyFile := flags.String("access-key-file", "", "file holding the one accepted access key id")
-	_ = flags.String("secret-key-file", "", "file holding its secret key (clients sign with it)")
+	secretKeyFile := flags.String("secret-key-file", "", "file holding its secret key (clients sign with it)")
 	_ = flags.Parse(args)
-	if *root == "" || *accessKeyFile == "" {
-		return errors.New("s3: --root and --access-key-file are required")
+	if *root == "" || *accessKeyFile == "" || *secretKeyFile == "" {
+		return errors.New("s3: --root, --access-key-file and --secret-key-file are required")
 	}
 	accessKey, err := os.ReadFile(*accessKeyFile)
+	if err != nil {
+		return err
+	}
+	secretKey, err := os.ReadFile(*secretKeyFile)
 	if err != nil {
 		return err
 	}
@@ -76,27 +80,26 @@ func serveS3(args []string) error {
 		}
 	}
 	faker := gofakes3.New(backend, gofakes3.WithAutoBucket(false), gofakes3.WithTimeSkewLimit(15*time.Minute))
-	handler := requireAccessKey(strings.TrimSpace(string(accessKey)), faker.Server())
+	creds := Credentials{strings.TrimSpace(string(accessKey)): strings.TrimSpace(string(secretKey))}
+	handler := requireSignature(creds, faker.Server())
 	return serve(*address, handler)
 }
 
-// requireAccessKey refuses requests that are not signed (SigV4 header or presigned query) with the
-// configured access key id, so a client without the cluster's keys fails as it would on S3.
-// gofakes3 itself does not check signatures; the secret key is not verified here either.
-func requireAccessKey(accessKey string, next http.Handler) http.Handler {
+// requireSignature refuses requests that are not signed (SigV4 header or presigned URL) with the
+// configured key pair, as S3 does; gofakes3 itself checks no signature.
+func requireSignature(creds Credentials, next http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		credential := r.URL.Query().Get("X-Amz-Credential")
-		if auth := r.Header.Get("Authorization"); credential == "" && auth != "" {
-			if _, after, ok := strings.Cut(auth, "Credential="); ok {
-				credential = after
+		if err := verify(r, creds, time.Now().UTC(), 15*time.Minute); err != nil {
+			code, message := "SignatureDoesNotMatch",
+				"The request signature we calculated does not match the signature you provided. Check your key and signing method."
+			var auth *authError
+			if errors.As(err, &auth) {
+				code, message = auth.code, auth.message
 			}
-		}
-		key, _, _ := strings.Cut(credential, "/")
-		if key != accessKey {
+			log.Printf("refused %s %s: %s", r.Method, r.URL.Path, code)
 			w.Header().Set("Content-Type", "application/xml")
 			w.WriteHeader(http.StatusForbidden)
-			fmt.Fprint(w, `<?xml version="1.0" encoding="UTF-8"?><Error><Code>InvalidAccessKeyId</Code>`+
-				`<Message>The AWS Access Key Id you provided does not exist in our records.</Message></Error>`)
+			fmt.Fprintf(w, `<?xml version="1.0" encoding="UTF-8"?><Error><Code>%s</Code><Message>%s</Message></Error>`, code, message)
 			return
 		}
 		next.ServeHTTP(w, r)

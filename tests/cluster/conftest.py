@@ -23,14 +23,6 @@ from localcluster.kubectl import admin_kubeconfig, kubectl  # noqa: E402
 from localcluster.layout import log_path, state_dir  # noqa: E402
 
 
-def pytest_collection_modifyitems(config, items):
-    here = Path(__file__).parent
-    for item in items:
-        if Path(str(item.fspath)).is_relative_to(here):
-            item.add_marker(pytest.mark.cluster)
-            item.add_marker(pytest.mark.xdist_group("cluster"))
-
-
 @pytest.fixture(scope="session")
 def control_plane():
     """A running cluster in a fresh state dir; stopped and removed at the end of the session."""

@@ -19,6 +19,9 @@ from localcluster import processes
 from localcluster.cluster import FLYTE_NAMESPACE, RELEASE, flyte_config_path
 from localcluster.kubectl import get_json, kubectl
 
+# One xdist worker runs every cluster test (one control plane; `--dist loadgroup`).
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("cluster")]
+
 ROOT = Path(__file__).resolve().parents[2]
 VERSION = "v1"
 # Profiling servers of the Flyte services, which also serve each one's effective configuration

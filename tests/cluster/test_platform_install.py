@@ -11,6 +11,9 @@ import yaml
 from localcluster.cluster import FLYTE_NAMESPACE, RELEASE, helm, task_namespaces
 from localcluster.kubectl import get_json, kubectl
 
+# One xdist worker runs every cluster test (one control plane; `--dist loadgroup`).
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("cluster")]
+
 TASK_NAMESPACE = "fuseforge-development"
 TRAINING_SA = f"system:serviceaccount:{TASK_NAMESPACE}:fuseforge-training"
 FLYTE_SA = f"system:serviceaccount:{FLYTE_NAMESPACE}:{RELEASE}-flyte-binary"

@@ -10,11 +10,15 @@ import yaml
 
 from localcluster.kubectl import apply, get_json, kubectl
 
+# One xdist worker runs every cluster test (one control plane; `--dist loadgroup`).
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("cluster")]
+
 NAMESPACE = "fuseforge-development"
 
 # Every rank joins the process group (gloo), checks the world size and sums its rank over all ranks.
 CHECK = """
 import os, socket, torch, torch.distributed as dist
+
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 assert world == int(os.environ["EXPECTED_WORLD_SIZE"]), (world, os.environ["EXPECTED_WORLD_SIZE"])

@@ -3,10 +3,15 @@ purpose (the task namespaces and their checkpoint keys: platform.namespaces.keep
 
 from __future__ import annotations
 
+import pytest
+
 import time
 
 from localcluster.cluster import FLYTE_NAMESPACE, RELEASE, helm
 from localcluster.kubectl import get_json
+
+# One xdist worker runs every cluster test (one control plane; `--dist loadgroup`).
+pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("cluster")]
 
 KINDS = "deployments,replicasets,pods,services,configmaps,secrets,serviceaccounts,podtemplates,networkpolicies,roles,rolebindings"
 KEPT = {("Namespace", name) for name in ("fuseforge-development", "fuseforge-staging", "fuseforge-production")}

@@ -27,6 +27,7 @@ from fuseforge_flyte.training.checkpoint import (MARKER, SKIPPED, CheckpointErro
 from fuseforge_flyte.training.engine import train
 from fuseforge_flyte.training.faults import FAULT_ENV, InjectedFault
 from fuseforge_flyte.training.spec import TrainSpec
+import forking  # tests/support
 
 STEPS = 8
 KEY_ENV, KEY_FILE_ENV = "FUSEFORGE_CHECKPOINT_KEY", "FUSEFORGE_CHECKPOINT_KEY_FILE"
@@ -531,11 +532,9 @@ run_local(TrainSpec(**json.loads(sys.argv[1])), 2, start_method="fork")
 
 
 def _launch(spec, **kwargs):
-    """Two workers started fresh (spawn): this pytest worker may already have run autograd, after which
-    torch refuses autograd in forked children (the CUDA build of torch, which PyPI serves, says so)."""
     from fuseforge_flyte.training.local import run_local
 
-    return run_local(spec, 2, start_method="spawn", **kwargs)
+    return run_local(spec, 2, start_method=forking.start_method(), **kwargs)
 
 
 def test_sigterm_to_the_elastic_agent_checkpoints_and_the_restart_redoes_nothing(tmp_path):

@@ -25,6 +25,7 @@ from fuseforge_flyte.training.local import run_local
 from fuseforge_flyte.training.models import build_model
 from fuseforge_flyte.training.spec import TrainSpec
 from fuseforge_flyte.training.strategies import make_strategy
+import forking  # tests/support
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 
@@ -40,7 +41,7 @@ def _spec(**overrides):
 
 
 def _launch(spec, nproc=2, **kwargs):
-    return run_local(spec, nproc, start_method="fork", **kwargs)
+    return run_local(spec, nproc, start_method=forking.start_method(), **kwargs)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -171,7 +172,7 @@ def _fsdp_guard_worker():
 def test_fsdp_lm_head_guard():
     from fuseforge_flyte.training.local import launch_local
 
-    assert launch_local(_fsdp_guard_worker, 2, start_method="fork") == {0: True, 1: True}
+    assert launch_local(_fsdp_guard_worker, 2, start_method=forking.start_method()) == {0: True, 1: True}
 
 
 def test_zero3_lm_head_guard(deepspeed_on_cpu, monkeypatch):
@@ -225,7 +226,7 @@ def test_fused_loss_gives_the_unfused_lm_head_gradient_under_sharding(strategy, 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
     from bench_scaling import compare_lm_head_gradients
 
-    result = compare_lm_head_gradients(_spec(strategy=strategy, batch_size=1, **extra), 2, start_method="fork")
+    result = compare_lm_head_gradients(_spec(strategy=strategy, batch_size=1, **extra), 2, start_method=forking.start_method())
     assert result["fused_calls"] == 1 and result["unfused_run_fused_calls"] == 0
     assert result["max_abs_gradient"] > 0
     assert result["max_abs_difference"] <= 1e-5 * result["max_abs_gradient"], result

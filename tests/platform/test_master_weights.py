@@ -18,6 +18,7 @@ from fuseforge_flyte.training.faults import FAULT_ENV, InjectedFault
 from fuseforge_flyte.training.local import run_local
 from fuseforge_flyte.training.precision import MasterWeights, master_dtype_for
 from fuseforge_flyte.training.spec import TrainSpec
+import forking  # tests/support
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 
@@ -185,7 +186,7 @@ def test_engine_trains_in_bf16_and_resumes_bit_for_bit(tmp_path, monkeypatch, on
 @pytest.mark.skipif(torch.cuda.device_count() == 1, reason="two ranks need two GPUs (or the CPU's gloo)")
 def test_two_ranks_reduce_the_master_gradients(bf16_masters, one_torch_thread):
     single = train(_spec(steps=4))
-    results = run_local(_spec(steps=4, batch_size=2), 2, start_method="fork")
+    results = run_local(_spec(steps=4, batch_size=2), 2, start_method=forking.start_method())
     assert results[0].loss_curve == results[1].loss_curve
     # each rank's bf16 gradients of half the batch, summed in fp32, against one bf16 backward of all of it
     torch.testing.assert_close(results[0].loss_curve, single.loss_curve, rtol=2e-3, atol=2e-3)

@@ -22,6 +22,7 @@ from fuseforge_flyte.training.models import (CACHE_ENV, PRESETS, build_model, is
                                              load_config)
 from fuseforge_flyte.training.spec import TrainSpec
 from fuseforge_flyte.training.strategies import make_strategy
+import forking  # tests/support
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
 
@@ -70,7 +71,7 @@ def _launch(fn, *args):
     if torch.cuda.is_available() and torch.cuda.device_count() < 2:
         pytest.skip("two workers on a CUDA machine take one GPU each; this one has fewer")
     # fork is fast, but a child of a process that has used CUDA cannot use it
-    return launch_local(fn, 2, *args, start_method="spawn" if torch.cuda.is_initialized() else "fork")
+    return launch_local(fn, 2, *args, start_method="spawn" if torch.cuda.is_initialized() else forking.start_method())
 
 
 def _partition_everything() -> None:
