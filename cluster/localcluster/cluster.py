@@ -138,7 +138,7 @@ def up(*, with_node: bool = True, with_operator: bool = True) -> None:
     _start("kube-scheduler", kubernetes.scheduler(kube, sched_config))
 
     # Object store, registry and database: what a user's cluster has outside Kubernetes.
-    access_key = _secret(paths["secrets"] / "s3-access-key", lambda: "fuseforge-" + os.urandom(6).hex())
+    _secret(paths["secrets"] / "s3-access-key", lambda: "fuseforge-" + os.urandom(6).hex())
     _secret(paths["secrets"] / "s3-secret-key", lambda: os.urandom(24).hex())
     _start("s3", [str(programs["stores"]), "s3", "--address", f"{HOST}:{PORTS.s3}", "--root", str(paths["s3"]),
                   "--bucket", BUCKET, "--access-key-file", str(paths["secrets"] / "s3-access-key"),

@@ -19,8 +19,8 @@ sys.path.insert(0, str(ROOT / "cluster"))
 
 from localcluster import cluster as local  # noqa: E402
 from localcluster import health  # noqa: E402
-from localcluster.kubectl import admin_kubeconfig, kubectl  # noqa: E402
-from localcluster.layout import log_path, state_dir  # noqa: E402
+from localcluster.kubectl import kubectl  # noqa: E402
+from localcluster.layout import state_dir  # noqa: E402
 
 
 @pytest.fixture(scope="session")

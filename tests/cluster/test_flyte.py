@@ -16,7 +16,7 @@ import pytest
 
 from localcluster import cluster as local
 from localcluster import processes
-from localcluster.cluster import FLYTE_NAMESPACE, RELEASE, flyte_config_path
+from localcluster.cluster import FLYTE_NAMESPACE, flyte_config_path
 from localcluster.kubectl import get_json, kubectl
 
 # One xdist worker runs every cluster test (one control plane; `--dist loadgroup`).
