@@ -79,7 +79,7 @@ func serveS3(args []string) error {
 			}
 		}
 	}
-	faker := gofakes3.New(backend, gofakes3.WithAutoBucket(false), gofakes3.WithTimeSkewLimit(15*time.Minute))
+	faker := gofakes3.New(prefixListing{backend}, gofakes3.WithAutoBucket(false), gofakes3.WithTimeSkewLimit(15*time.Minute))
 	creds := Credentials{strings.TrimSpace(string(accessKey)): strings.TrimSpace(string(secretKey))}
 	handler := requireSignature(creds, faker.Server())
 	return serve(*address, handler)

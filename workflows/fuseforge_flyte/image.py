@@ -145,6 +145,8 @@ def _content_tag(settings: dict, files: List[Tuple[str, Path]]) -> str:
 def training_image(config: PlatformConfig) -> ImageSpec:
     """The ImageSpec every fuseforge task runs in."""
     image = config.image
+    if (command := registration_command()) and not _SEEN_REGISTRATION:
+        _SEEN_REGISTRATION.append(command)
     checkout = find_checkout()
     from_checkout = image.fuseforge == "checkout"
     settings = dict(
@@ -297,6 +299,11 @@ def registry_has_image(image_name: str, timeout: float = 10.0) -> Optional[bool]
     return None
 
 
+# The registration command seen when the tasks were defined: `pyflyte run --remote` serializes them in a
+# worker thread of flytekit's event loop, where click's (thread-local) context is empty.
+_SEEN_REGISTRATION: List[str] = []
+
+
 def registration_command() -> Optional[str]:
     """The pyflyte command registering tasks with a Flyte cluster in this process, or None (a local run,
     `pyflyte package`, tests): only then must the image exist in the registry."""
@@ -309,7 +316,7 @@ def registration_command() -> Optional[str]:
         if ctx.info_name in ("register", "deploy"):
             return f"pyflyte {ctx.info_name}"
         ctx = ctx.parent
-    return None
+    return _SEEN_REGISTRATION[-1] if _SEEN_REGISTRATION else None
 
 
 class FuseforgeImageBuilder(DefaultImageBuilder):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import logging
 import os
 import sys
@@ -166,11 +167,20 @@ def elastic_config(config: PlatformConfig, check_inputs: Optional[Callable[..., 
     )
 
 
-def pod_template(config: PlatformConfig) -> Optional[PodTemplate]:
-    """Node selector and tolerations for the training pods (None when there are none)."""
+# Pod annotation: the digest of the platform.toml a task was registered with.
+CONFIG_ANNOTATION = "fuseforge.dev/platform-config-sha256"
+
+
+def config_digest(config: PlatformConfig) -> str:
+    return hashlib.sha256(config.to_json().encode()).hexdigest()[:16]
+
+
+def pod_template(config: PlatformConfig, *, placement: bool = True) -> PodTemplate:
+    """The pod settings of a task: the training pods' node selector and tolerations (placement), and on every
+    pod the digest of its platform.toml. flytekit versions `pyflyte run --remote` registrations by code,
+    images and pod templates: with the digest here, a changed platform.toml (resources, settings) gets a new
+    version instead of "task with different structure already exists"."""
     cluster = config.cluster
-    if not cluster.node_selector and not cluster.tolerations:
-        return None
     tolerations = [
         V1Toleration(
             key=t.key or None,
@@ -179,10 +189,11 @@ def pod_template(config: PlatformConfig) -> Optional[PodTemplate]:
             effect=t.effect or None,
             toleration_seconds=t.toleration_seconds,
         )
-        for t in cluster.tolerations
+        for t in (cluster.tolerations if placement else ())
     ]
-    spec = V1PodSpec(containers=[], node_selector=dict(cluster.node_selector) or None, tolerations=tolerations or None)
-    return PodTemplate(pod_spec=spec)
+    node_selector = dict(cluster.node_selector) if placement else {}
+    spec = V1PodSpec(containers=[], node_selector=node_selector or None, tolerations=tolerations or None)
+    return PodTemplate(pod_spec=spec, annotations={CONFIG_ANNOTATION: config_digest(config)})
 
 
 def training_task_options(config: PlatformConfig, check_inputs: Optional[Callable[..., None]] = None) -> Dict[str, Any]:
@@ -204,9 +215,7 @@ def training_task_options(config: PlatformConfig, check_inputs: Optional[Callabl
         options["accelerator"] = GPUAccelerator(cluster.accelerator)
     if cluster.shared_memory:
         options["shared_memory"] = cluster.shared_memory
-    template = pod_template(config)
-    if template is not None:
-        options["pod_template"] = template
+    options["pod_template"] = pod_template(config)
     if cluster.pod_template_name:
         options["pod_template_name"] = cluster.pod_template_name
     return options
@@ -220,6 +229,7 @@ def data_task_options(config: PlatformConfig) -> Dict[str, Any]:
         limits=Resources(mem=config.data.memory),
         environment={RESOLVED_CONFIG_ENV: config.to_json()},
         retries=config.flyte.retries,
+        pod_template=pod_template(config, placement=False),
     )
 
 
@@ -230,6 +240,7 @@ def summary_task_options(config: PlatformConfig) -> Dict[str, Any]:
         requests=Resources(cpu="1", mem="2Gi"),
         limits=Resources(mem="2Gi"),
         environment={RESOLVED_CONFIG_ENV: config.to_json()},
+        pod_template=pod_template(config, placement=False),
         enable_deck=True,
         deck_fields=(),  # only our metrics Deck: the console opens on it, not on flytekit's Timeline
     )

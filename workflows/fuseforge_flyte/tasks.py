@@ -28,6 +28,7 @@ from flytekit.types.file import FlyteFile
 from fuseforge_flyte.comparison import Comparison, compare_metrics
 from fuseforge_flyte.config import get_config
 from fuseforge_flyte.console import ensure_console_logging
+from fuseforge_flyte.fast_register import ship_whole_source_root
 from fuseforge_flyte.inputs import DataFormat, spec_values, summary_only, training_inputs
 from fuseforge_flyte.launch import (data_task_options, on_every_worker, summary_task_options,
                                     training_task_options)
@@ -176,3 +177,6 @@ def summarize_comparison(with_kernels: TrainMetrics, without_kernels: TrainMetri
     comparison = compare_metrics(with_kernels, without_kernels)
     Deck("Kernels vs no kernels", comparison_deck_html(comparison))
     return comparison
+
+
+ship_whole_source_root()  # before `pyflyte run --remote` packs this checkout's code (see fast_register)
