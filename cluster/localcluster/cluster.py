@@ -359,15 +359,29 @@ def flyte_config_path() -> Path:
 
 def write_flyte_config() -> Path:
     """The pyflyte/flytectl configuration `flytectl config init --host 127.0.0.1:8089 --insecure` writes
-    (Flyte's gRPC API, which the Flyte pod serves on this machine's loopback)."""
+    (Flyte's gRPC API, which the Flyte pod serves on this machine's loopback), plus the object store's
+    endpoint and keys under `storage.connection` (flytekit's keys) so that FlyteRemote and `pyflyte` read
+    outputs and upload local files as a user with bucket access does. Mode 0600: it holds the keys."""
     path = flyte_config_path()
     path.parent.mkdir(parents=True, exist_ok=True)
+    secrets = _paths()["secrets"]
+    access_key = (secrets / "s3-access-key").read_text().strip()
+    secret_key = (secrets / "s3-secret-key").read_text().strip()
+    path.touch(mode=0o600)
+    path.chmod(0o600)
     path.write_text(
         "admin:\n"
         f"  # For gRPC endpoints you might want to use dns:///flyte.myexample.com\n"
         f"  endpoint: dns:///{HOST}:8089\n"
         "  authType: Pkce\n"
         "  insecure: true\n"
+        "console:\n"
+        f"  endpoint: http://{HOST}:8088\n"
+        "storage:\n"
+        "  connection:\n"
+        f"    endpoint: http://{HOST}:{PORTS.s3}\n"
+        f"    access-key: {access_key}\n"
+        f"    secret-key: {secret_key}\n"
         "logger:\n"
         "  show-source: true\n"
         "  level: 0\n"
@@ -397,10 +411,12 @@ def status() -> dict[str, str]:
 
 # Machine packages the control plane needs: program -> Debian package.
 DEBIAN_PACKAGES = {"nslookup": "bind9-dnsutils", "openssl": "openssl", "setpriv": "util-linux", "pg_isready": "postgresql"}
+# What tests/cluster uses besides: a browser to look at the Decks as the console shows them.
+TEST_PACKAGES = {"chromium": "chromium"}
 
 
-def missing_packages() -> list[str]:
-    missing = [pkg for program, pkg in DEBIAN_PACKAGES.items() if shutil.which(program) is None]
+def missing_packages(packages: dict[str, str] = DEBIAN_PACKAGES) -> list[str]:
+    missing = [pkg for program, pkg in packages.items() if shutil.which(program) is None]
     try:
         postgres.bin_dir()
     except RuntimeError:
@@ -409,8 +425,8 @@ def missing_packages() -> list[str]:
 
 
 def deps() -> None:
-    """Install the Debian packages the cluster needs (as root), or say which are missing."""
-    missing = missing_packages()
+    """Install the Debian packages the cluster and its tests need (as root), or say which are missing."""
+    missing = missing_packages({**DEBIAN_PACKAGES, **TEST_PACKAGES})
     for program in ("go", "npm"):
         if shutil.which(program) is None:
             raise RuntimeError(f"{program} is not installed (the cluster's programs are built with Go; helm and kubectl come from npm)")

@@ -29,12 +29,16 @@ rules:
   resources: [{group: coordination.k8s.io, resources: [leases]}]
 - level: None
   nonResourceURLs: ["/healthz*", "/readyz*", "/livez*"]
+- level: RequestResponse
+  verbs: [create]
+  resources: [{group: "", resources: [pods]}, {group: kubeflow.org, resources: [pytorchjobs]}]
 - level: Metadata
 """
 
 
 def apiserver(kube: Path, pki: Path, audit_log: Path) -> list[str]:
-    """Every request is audited (who did what: the tests read it) except leases and health checks."""
+    """Every request is audited (who did what: the tests read it) except leases and health checks; pod and
+    PyTorchJob creations with the created object (what Flyte and the operator asked for, after admission)."""
     policy = audit_log.parent / "audit-policy.yaml"
     policy.parent.mkdir(parents=True, exist_ok=True)
     policy.write_text(AUDIT_POLICY)

@@ -23,11 +23,20 @@ from localcluster.kubectl import kubectl  # noqa: E402
 from localcluster.layout import state_dir  # noqa: E402
 
 
+# FUSEFORGE_TEST_CLUSTER=running: use the cluster `scripts/cluster.sh up` (and `install`) started, and leave it
+# running (for working on these tests; the tests that check `down` and uninstall are skipped).
+RUNNING = os.environ.get("FUSEFORGE_TEST_CLUSTER") == "running"
+
+
 @pytest.fixture(scope="session")
 def control_plane():
     """A running cluster in a fresh state dir; stopped and removed at the end of the session."""
     if os.environ.get("FUSEFORGE_SKIP_CLUSTER") == "1":
         pytest.skip("FUSEFORGE_SKIP_CLUSTER=1")
+    if RUNNING:
+        local.up()  # starts only what is not running
+        yield local
+        return
     # Not under pytest's tmp dir (mode 0700): PostgreSQL and pods run as other users and must reach it.
     folder = Path(tempfile.mkdtemp(prefix="fuseforge-cluster-"))
     folder.chmod(0o755)
@@ -52,6 +61,9 @@ def control_plane():
 @pytest.fixture(scope="session")
 def platform(control_plane):
     """The chart installed as the README says (helm install with cluster/local-values.yaml), Flyte ready."""
+    if RUNNING:
+        yield control_plane
+        return
     try:
         control_plane.install()
     except Exception:

@@ -10,6 +10,8 @@ import time
 from localcluster.cluster import FLYTE_NAMESPACE, RELEASE, helm
 from localcluster.kubectl import get_json
 
+from conftest import RUNNING
+
 # One xdist worker runs every cluster test (one control plane; `--dist loadgroup`).
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("cluster")]
 
@@ -24,6 +26,8 @@ def _ours(selector: str) -> list[tuple[str, str, str]]:
 
 
 def test_uninstall_leaves_only_what_the_chart_keeps(platform):
+    if RUNNING:
+        pytest.skip("FUSEFORGE_TEST_CLUSTER=running: the release stays installed")
     assert _ours(f"app.kubernetes.io/instance={RELEASE}")  # installed
     helm("uninstall", RELEASE, "-n", FLYTE_NAMESPACE, "--wait")
     deadline = time.monotonic() + 120
