@@ -62,7 +62,8 @@ def _metric_rows(m: TrainMetrics) -> List[Tuple[str, str]]:
         ("tokens per step (global)", f"{m.tokens_per_step:,}"),
         ("parameters", f"{m.num_params:,}"),
         ("dtype", m.dtype),
-        ("restarts / steps redone / skipped", f"{m.restarts} / {m.steps_redone} / {m.skipped_steps}"),
+        ("Flyte attempt / restarts / steps redone / skipped",
+         f"{m.attempt} / {m.restarts} / {m.steps_redone} / {m.skipped_steps}"),
         ("resumed from step", str(m.resumed_from_step)),
     ]
 

@@ -26,10 +26,14 @@ from kubernetes.client import V1PodSpec, V1Toleration
 from fuseforge_flyte import flyte_checkpoint
 from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, PlatformConfig
 from fuseforge_flyte.image import training_image
+from fuseforge_flyte.object_store import share_flyte_s3_settings
 from fuseforge_flyte.training import permanent
 from fuseforge_flyte.training.distributed import SHARED_STORE_ENV
 from fuseforge_flyte.training.environ import environment
 from fuseforge_flyte.training.spec import CHECKPOINT_OFF, TrainMetrics
+
+# Task pods (and the training workers they start) read datasets and models from Flyte's object store.
+share_flyte_s3_settings()
 
 log = logging.getLogger("fuseforge.training")
 

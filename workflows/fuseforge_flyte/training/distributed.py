@@ -94,6 +94,11 @@ class DistContext:
     def restart_count(self) -> int:
         return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
 
+    @property
+    def flyte_attempt(self) -> int:
+        """Flyte's attempt number of the task (set in its pods; 0 outside Flyte)."""
+        return _env_int("FLYTE_ATTEMPT_NUMBER", 0)
+
     def barrier(self) -> None:
         if self.distributed:
             if self.device.type == "cuda":

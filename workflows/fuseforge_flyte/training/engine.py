@@ -393,7 +393,7 @@ class _Run:
             step_time_p50_s=summary.step_time_p50_s, step_time_p90_s=summary.step_time_p90_s,
             step_time_p99_s=summary.step_time_p99_s, final_loss=final_loss(h), loss_curve=list(h.loss),
             tokens_per_s_curve=summary.tokens_per_s_curve, memory_gib_curve=list(h.memory_gib),
-            restarts=ctx.restart_count, steps_redone=steps_redone, skipped_steps=h.skipped_steps,
+            restarts=ctx.restart_count, attempt=ctx.flyte_attempt, steps_redone=steps_redone, skipped_steps=h.skipped_steps,
             resumed_from_step=self.resumed_from, dtype=dtype, num_params=self.flops.num_params,
             flops_per_token=self.flops.flops_per_token, tokens_per_step=self.tokens_per_step,
             step_time_curve=list(h.step_time), kernels_patched=list(self.kernels_patched),

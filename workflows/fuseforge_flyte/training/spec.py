@@ -134,7 +134,8 @@ class TrainMetrics:
     loss_curve: List[float] = field(default_factory=list)
     tokens_per_s_curve: List[float] = field(default_factory=list)
     memory_gib_curve: List[float] = field(default_factory=list)
-    restarts: int = 0
+    restarts: int = 0  # torch elastic restarts of the worker group within this attempt
+    attempt: int = 0  # the Flyte attempt that finished the run (0 = the first; a retry after a lost pod is 1)
     steps_redone: int = 0
     skipped_steps: int = 0
     resumed_from_step: int = 0
