@@ -750,7 +750,7 @@ def test_default_checkpoint_location_survives_preemption_across_attempts(referen
     from flytekit.core.checkpointer import SyncCheckpoint
 
     from fuseforge_flyte.flyte_checkpoint import MIRROR_ENV, restore_previous, worker_hook
-    from fuseforge_flyte.training.checkpoint import REQUIRE_KEY_ENV
+    from fuseforge_flyte.training.checkpoint_signing import REQUIRE_KEY_ENV
     from fuseforge_flyte.training.preemption import SIGNAL_ENV, Preempted
 
     monkeypatch.setenv(KEY_ENV, KEY)

@@ -40,7 +40,7 @@ from flytekit.image_spec.default_builder import DefaultImageBuilder, create_dock
 from flytekit.image_spec.image_spec import ImageBuildEngine, ImageSpec
 
 from fuseforge_flyte.config import ConfigError, ImageConfig, PlatformConfig
-from fuseforge_flyte.image_lock import LOCK_PATH, RENEW, lock_file, requirement_lines, stale_requirements
+from fuseforge_flyte.image_lock import LOCK_PATH, RENEW, lock_file, stale_requirements
 
 try:
     import tomllib

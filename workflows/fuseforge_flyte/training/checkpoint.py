@@ -81,8 +81,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from fuseforge_flyte.training.checkpoint_signing import (  # noqa: F401 - the key variables, re-exported
-    KEY_ENV, KEY_FILE_ENV, MIN_KEY_BYTES, REQUIRE_KEY_ENV, Signing, SigningError)
+from fuseforge_flyte.training.checkpoint_signing import Signing, SigningError
 from fuseforge_flyte.training.distributed import DistContext
 
 try:  # derives from BaseException: `except Exception` misses it (a damaged DCP checkpoint)
