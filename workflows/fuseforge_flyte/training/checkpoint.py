@@ -49,8 +49,9 @@ then applied to the restored optimizer and schedule). A checkpoint beyond ``step
 
 Corrupt vs incompatible: a checkpoint that fails verification or loading is skipped with a
 warning naming the reason (marked SKIPPED, signed and bound to its manifest, once an older one
-loads; an unsigned or foreign mark is ignored with a warning) and the previous one is tried; if checkpoints exist and none loads, training stops instead of starting fresh over
-them. A verified checkpoint of another model, strategy or settings stops the run at once:
+loads; a later resume passes it over with a warning naming that reason, and ignores, with a warning,
+a mark that is not signed for its manifest) and the previous one is tried; if checkpoints exist and
+none loads, training stops instead of starting fresh over them. A verified checkpoint of another model, strategy or settings stops the run at once:
 falling back to an older one would silently throw progress away.
 
 Disk space: before a save on a local filesystem the free space is compared with the size of
