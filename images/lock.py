@@ -9,19 +9,21 @@ requirements.txt pins every package the image installs after torch, each with th
 archives, resolved for the image's platform: Linux x86_64 (manylinux_2_28), CPython [image].python_version,
 together with [image].torch so that the versions fit the torch the image runs. torch itself, and the
 packages only torch needs (its CUDA libraries), are left out: images/Dockerfile installs them first, from
-[image].torch_index_url. images/Dockerfile installs the lock with `--require-hashes --no-deps`.
+[image].torch_index_url. images/Dockerfile and the ImageSpec build (fuseforge_flyte.image) install the lock
+with `--require-hashes --no-deps` from PyPI alone, then torch by name from its own index alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Set
+
+from fuseforge_flyte.image_lock import parse_lock
 
 HERE = Path(__file__).resolve().parent
 REQUIREMENTS_IN = HERE / "requirements.in"
@@ -35,8 +37,8 @@ IN_HEADER = (
 )
 TXT_HEADER = (
     "# Hash-locked requirements of the training image, made by `python images/lock.py` from images/requirements.in\n"
-    "# for Linux x86_64, CPython {python}, with {torch} (installed before these, from {index}; it and the\n"
-    "# packages only it needs are left out). images/Dockerfile installs it with --require-hashes --no-deps.\n"
+    "# for Linux x86_64, CPython {python}, with {torch} (installed after these, from {index} alone; it and the\n"
+    "# packages only it needs are left out). The image builds install it with --require-hashes --no-deps.\n"
 )
 
 
@@ -47,34 +49,6 @@ def direct_requirements() -> List[str]:
 
     lines = requirements_txt(load_config()).splitlines()
     return [line for line in lines if line.strip() and not line.lstrip().startswith("#")]
-
-
-def parse_lock(text: str) -> Dict[str, dict]:
-    """{name: {"lines": [...], "via": {parents}}} of uv/pip-compile output (split or line annotations)."""
-    blocks: Dict[str, dict] = {}
-    current = None
-    via_open = False
-    for line in text.splitlines():
-        head = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?==", line)
-        if head:
-            current = {"lines": [line], "via": set()}
-            blocks[head.group(1).lower().replace("_", "-")] = current
-            via_open = False
-            continue
-        if current is None:
-            continue
-        stripped = line.strip()
-        if stripped.startswith("--hash="):
-            current["lines"].append(line)
-        elif stripped.startswith("# via"):
-            rest = stripped[len("# via"):].strip()
-            via_open = not rest
-            current["via"].update(p.strip() for p in rest.split(",") if p.strip())
-        elif via_open and stripped.startswith("#"):
-            current["via"].add(stripped.lstrip("#").strip())
-        else:
-            via_open = False
-    return blocks
 
 
 def drop_torch_stack(blocks: Dict[str, dict], torch: str = "torch") -> Dict[str, dict]:

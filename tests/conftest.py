@@ -1,16 +1,21 @@
 """Test setup: run kernels through Triton's CPU interpreter when no GPU is present.
 
 TRITON_INTERPRET must be set before any @triton.jit decorator runs, so it is
-decided here, at conftest import time, before fuseforge is imported.
+decided here, at conftest import time, before fuseforge is imported. So is
+XDG_CONFIG_HOME, where training makes its per-user checkpoint key.
 """
 
 import os
 import random
+import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Training without a configured checkpoint key makes a per-user key under $XDG_CONFIG_HOME/fuseforge: keep the
+# tests' key out of the real home directory (one per test process; spawned workers inherit it).
+os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="fuseforge-tests-config-")
 
 import pytest  # noqa: E402
 

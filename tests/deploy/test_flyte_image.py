@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import json
 import re
+import shlex
 import shutil
 import socket
 import stat
@@ -23,6 +24,7 @@ from fuseforge_flyte.config import load_config
 from fuseforge_flyte.image import (
     IMAGE_CHECK_ENV,
     IMAGE_UID,
+    LOCKED_INSTALL_ARGS,
     STAGED_SOURCE_DIR,
     UID_CHECK_COMMAND,
     FuseforgeImageBuilder,
@@ -30,8 +32,10 @@ from fuseforge_flyte.image import (
     registration_command,
     registry_has_image,
     render_docker_context,
+    torch_install_command,
     training_image,
 )
+from fuseforge_flyte.image_lock import parse_lock, requirement_lines as lock_lines
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,19 +57,26 @@ def small_checkout(root: Path) -> Path:
     return root
 
 
+LOCK = REPO / "images" / "requirements.txt"
+
+
 def test_image_spec_follows_config(defaults):
     spec = training_image(defaults)
     image = defaults.image
     assert spec.registry == image.registry and spec.name == image.name
     assert spec.base_image == image.base_image and spec.python_version == image.python_version
-    assert spec.packages[0] == image.torch  # resolved first, from the CUDA index below
-    assert spec.pip_extra_index_url == [image.torch_index_url]
-    names = {re.split(r"[<>=\[ ]", p, maxsplit=1)[0] for p in spec.packages}
-    assert {"torch", "triton", "transformers", "deepspeed", "flytekit", "flytekitplugins-kfpytorch",
-            "flytekitplugins-deck-standard"} <= names
+    # The hash lock, installed as it is (hashes checked, nothing resolved); no loose package list, no extra index.
+    assert spec.requirements == str(LOCK) and spec.pip_extra_args == LOCKED_INSTALL_ARGS == "--require-hashes --no-deps"
+    assert spec.packages is None and spec.pip_extra_index_url is None and spec.pip_index is None
+    locked = set(parse_lock(LOCK.read_text()))
+    assert {"triton", "transformers", "deepspeed", "flytekit", "flytekitplugins-kfpytorch",
+            "flytekitplugins-deck-standard"} <= locked and "torch" not in locked
     assert spec.copy == [STAGED_SOURCE_DIR]
-    # The uid check first: the chart's pods run as IMAGE_UID, so the image's user must have it.
-    assert spec.commands == [UID_CHECK_COMMAND, f"uv pip install --no-deps /root/{STAGED_SOURCE_DIR}"]
+    # The uid check first: the chart's pods run as IMAGE_UID, so the image's user must have it. Then torch by name
+    # from its own index alone, fuseforge from the checkout without dependencies, and a consistency check.
+    assert spec.commands == [UID_CHECK_COMMAND,
+                             f"uv pip install --index-url {image.torch_index_url} {image.torch}",
+                             f"uv pip install --no-deps /root/{STAGED_SOURCE_DIR}", "uv pip check"]
     assert f'= "{IMAGE_UID}:{IMAGE_UID}"' in UID_CHECK_COMMAND
     assert spec.apt_packages == list(image.apt_packages)
     assert spec.image_name() == f"{image.registry}/{image.name}:{spec.tag}"
@@ -92,11 +103,15 @@ def test_content_tag_tracks_sources_not_caches(tmp_path, monkeypatch, defaults):
     assert training_image(other_torch).tag not in (first, edited)
 
 
-def test_pip_requirement_instead_of_checkout(defaults):
+def test_pip_requirement_instead_of_checkout(defaults, tmp_path):
+    """fuseforge from a pip requirement comes from the lock like everything else: this lock was made for the
+    checkout, so it is refused until `python images/lock.py` locks that requirement too."""
     config = load_config(env={"FUSEFORGE__IMAGE__FUSEFORGE": "fuseforge[hf,platform]==0.1.0"})
     spec = training_image(config)
-    assert spec.packages == [config.image.torch, "fuseforge[hf,platform]==0.1.0"]
-    assert not spec.copy and spec.commands == [UID_CHECK_COMMAND]
+    assert spec.requirements == str(LOCK) and spec.packages is None
+    assert not spec.copy and spec.commands == [UID_CHECK_COMMAND, torch_install_command(config.image), "uv pip check"]
+    with pytest.raises(ImageBuildError, match=r"fuseforge\[hf,platform\]==0.1.0 is not in it.*python images/lock.py"):
+        render_docker_context(spec, tmp_path / "ctx", config)
 
 
 def test_unknown_extra_is_a_config_error(defaults):
@@ -105,23 +120,72 @@ def test_unknown_extra_is_a_config_error(defaults):
         training_image(config)
 
 
+def install_commands(dockerfile: str) -> list:
+    """Every `uv pip install ...` of a rendered Dockerfile, in order, as argument lists."""
+    joined = re.sub(r"\\\n", " ", dockerfile)
+    return [shlex.split(m.group(1)) for m in re.finditer(r"uv pip install ((?:(?!&&)[^\n])*)", joined)]
+
+
 def test_render_docker_context_offline_from_any_directory(tmp_path, defaults):
+    """The build context pyflyte and images/build.py build: locked, one index per install, nothing unsafe."""
     spec = training_image(defaults)
     dockerfile = render_docker_context(spec, tmp_path / "ctx")
     text = dockerfile.read_text()
-    assert f"FROM {defaults.image.base_image}" in text
-    assert f"--extra-index-url {defaults.image.torch_index_url}" in text
+    image = defaults.image
+    assert f"FROM {image.base_image}" in text
     assert f"COPY --chown=flytekit {STAGED_SOURCE_DIR} /root/{STAGED_SOURCE_DIR}/" in text
-    assert "uv pip install --no-deps /root/fuseforge-src" in text
-    assert "DS_BUILD_OPS=0" in text and "UV_INDEX_STRATEGY=unsafe-best-match" in text
-    requirements = (tmp_path / "ctx" / "requirements_uv.txt").read_text().splitlines()
-    assert requirements[0] == defaults.image.torch and "flytekit==1.16.31" in requirements
+    assert "DS_BUILD_OPS=0" in text
+    # No index strategy that lets one index serve another's packages, at build or run time (ENV stays in the image).
+    assert "unsafe-best-match" not in text and "UV_INDEX_STRATEGY" not in text and "UV_EXTRA_INDEX_URL" not in text
+    assert "--extra-index-url" not in text and "--index-strategy" not in text
+    locked, torch, source = install_commands(text)
+    # 1. the lock, from PyPI alone: every archive checked against its sha256, nothing resolved beyond it
+    assert locked == ["--require-hashes", "--no-deps", "--requirement", "requirements_uv.txt"]
+    requirements = (tmp_path / "ctx" / "requirements_uv.txt").read_text()
+    assert lock_lines(requirements) == lock_lines(LOCK.read_text())  # the lock itself: nothing added, nothing lost
+    for line in re.sub(r"\\\n\s*", " ", requirements).splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            requirement, *hashes = line.split()
+            assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[^\]]*\])?==\S+", requirement), line
+            assert hashes and all(re.fullmatch(r"--hash=sha256:[0-9a-f]{64}", h) for h in hashes), line
+    # 2. torch by name, from its index alone; that index appears nowhere else
+    assert torch == ["--index-url", image.torch_index_url, image.torch]
+    assert text.count(image.torch_index_url) == 1
+    # 3. fuseforge from the staged checkout, without dependencies; then the whole environment is checked
+    assert source == ["--no-deps", f"/root/{STAGED_SOURCE_DIR}"]
+    assert text.index("--requirement requirements_uv.txt") < text.index(image.torch_index_url) < text.index(
+        "uv pip check")
 
     staged = tmp_path / "ctx" / STAGED_SOURCE_DIR
     assert (staged / "pyproject.toml").is_file()
     assert (staged / "kernels" / "fuseforge" / "__init__.py").is_file()
     assert (staged / "workflows" / "fuseforge_flyte" / "tasks.py").is_file()
     assert not list(staged.rglob("__pycache__")) and not list(staged.rglob("*.egg-info"))
+
+
+def test_a_lock_that_no_longer_fits_the_image_is_refused_before_building(tmp_path, defaults):
+    more = load_config(env={"FUSEFORGE__IMAGE__EXTRA_PACKAGES": '["tensorboard>=2.18"]'})
+    with pytest.raises(ImageBuildError, match=r"requirements.txt no longer fits \[image\].*tensorboard>=2.18 is not in "
+                                              r"it. Renew it with `python images/lock.py`"):
+        render_docker_context(training_image(more), tmp_path / "more")
+    other_torch = load_config(env={"FUSEFORGE__IMAGE__TORCH": "torch==2.10.0"})
+    with pytest.raises(ImageBuildError, match=r"it was not made for torch==2.10.0"):
+        render_docker_context(training_image(other_torch), tmp_path / "torch")
+    narrower = load_config(env={"FUSEFORGE__IMAGE__EXTRA_PACKAGES": '["numpy<2"]'})
+    with pytest.raises(ImageBuildError, match=r"numpy<2 does not allow the locked numpy=="):
+        FuseforgeImageBuilder().build(training_image(narrower), push=False)  # before anything asks for Docker
+    assert not (tmp_path / "more").exists() and not (tmp_path / "torch").exists()
+
+
+def test_without_the_lock_nothing_is_built(tmp_path, monkeypatch, defaults):
+    """Installed from a wheel (e.g. inside the image): the spec keeps its identity, but it is never built unlocked."""
+    monkeypatch.setattr(image_mod, "find_checkout", lambda: None)
+    config = load_config(env={"FUSEFORGE__IMAGE__FUSEFORGE": "fuseforge[hf,platform]==0.1.0"})
+    spec = training_image(config)
+    assert spec.requirements is None and spec.packages
+    with pytest.raises(ImageBuildError, match=r"built from the hash lock images/requirements.txt of the fuseforge "
+                                              r"source checkout.*build from a git checkout"):
+        render_docker_context(spec, tmp_path / "ctx", config)
 
 
 def test_build_without_docker_says_so(defaults, monkeypatch, tmp_path):
@@ -224,15 +288,16 @@ def test_lock_script_leaves_out_only_what_torch_alone_needs():
 
 
 def test_dockerfile_installs_only_hash_checked_packages_besides_torch(defaults):
+    """The same steps as the ImageSpec build: the lock from PyPI alone, then torch by name from its index alone."""
     text = (REPO / "images" / "Dockerfile").read_text()
-    assert "unsafe-best-match" not in text  # no index may shadow another's packages
-    installs = [m.group(0) for m in re.finditer(r"uv pip install[^\n&]*", text)]
-    torch_install, locked, source = installs
-    assert "--extra-index-url ${TORCH_INDEX_URL}" in torch_install and '"${TORCH}"' in torch_install
-    assert "--index-strategy" not in torch_install
-    assert "--require-hashes" in locked and "--no-deps" in locked and "--requirement /tmp/requirements.txt" in locked
+    assert "unsafe-best-match" not in text and "--index-strategy" not in text  # no index may shadow another's
+    assert "--extra-index-url" not in text and "UV_INDEX_STRATEGY" not in text
+    locked, torch_install, source = install_commands(text)
+    assert locked == ["--no-deps", "--require-hashes", "--requirement", "/tmp/requirements.txt"]
+    assert torch_install == ["--index-url", "${TORCH_INDEX_URL}", "${TORCH}"]
+    assert text.index("--requirement /tmp/requirements.txt") < text.index("--index-url") < text.index("uv pip check")
     assert "COPY images/requirements.txt /tmp/requirements.txt" in text
-    assert "--no-deps /opt/fuseforge-src" in source
+    assert source == ["--no-deps", "/opt/fuseforge-src"]
     # The image's user has the uid the chart's pods run as, and the image says so numerically.
     assert f"useradd --uid {IMAGE_UID} " in text and re.search(rf"^USER {IMAGE_UID}:{IMAGE_UID}$", text, flags=re.M)
 

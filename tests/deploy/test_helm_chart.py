@@ -256,9 +256,9 @@ def test_every_manifest_matches_the_kubernetes_schema(rendered, k8s_version):
 
 
 def test_every_task_namespace_gets_the_platform_resources(rendered):
-    # No Role or RoleBinding: training needs no Kubernetes API access (see the RBAC tests).
+    # The only Role: reading the namespace's checkpoint key by name (see the RBAC tests).
     assert {doc["kind"] for doc in rendered.docs} == {
-        "Namespace", "ServiceAccount", "PodTemplate", "ConfigMap", "NetworkPolicy", "Secret"
+        "Namespace", "ServiceAccount", "PodTemplate", "ConfigMap", "NetworkPolicy", "Secret", "Role", "RoleBinding"
     }
     namespaces = rendered.of_kind("Namespace")
     assert [ns["metadata"]["name"] for ns in namespaces] == rendered.task_namespaces
@@ -266,8 +266,12 @@ def test_every_task_namespace_gets_the_platform_resources(rendered):
         assert ns["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     base = rendered.values["basePodTemplate"]["name"]
     for ns in rendered.task_namespaces:
-        for kind in ("ServiceAccount", "ConfigMap", "NetworkPolicy", "Secret"):
+        for kind in ("ServiceAccount", "ConfigMap", "Secret"):
             rendered.one(kind, ns)
+        for name in ("fuseforge-task-isolation", "fuseforge-task-egress"):
+            rendered.one("NetworkPolicy", ns, name)
+        rendered.one("Role", ns, KEY_READER)
+        rendered.one("RoleBinding", ns, KEY_READER)
         rendered.gpu_template(ns)
         rendered.one("PodTemplate", ns, base)
     # The fallback copies Flyte consults for namespaces the chart does not manage (no base template:
@@ -384,7 +388,7 @@ def assert_key_mounted(template: dict, values: dict, secret_name: str) -> None:
     key_file = f"{ck['mountPath']}/key"
     assert env["FUSEFORGE_CHECKPOINT_KEY_FILE"] == key_file
     assert env["FUSEFORGE_CHECKPOINT_REQUIRE_KEY"] == "1"  # a local copy of bucket data is verified too
-    assert "FUSEFORGE_CHECKPOINT_KEY" not in env  # load_key refuses both at once
+    assert "FUSEFORGE_CHECKPOINT_KEY" not in env  # checkpoint_signing.configured_key refuses both at once
     assert mount == {"name": volume["name"], "mountPath": ck["mountPath"], "readOnly": True}
     # Only the Secret's one key, as the file the environment names; readable by the pod's fsGroup only.
     assert volume["secret"] == {
@@ -410,7 +414,7 @@ def test_training_pods_get_a_generated_checkpoint_key(rendered):
         assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
         assert set(secret["data"]) == {ck["secretKey"]}
         key = base64.b64decode(secret["data"][ck["secretKey"]], validate=True).decode()
-        assert re.fullmatch(r"[A-Za-z0-9]{48}", key)  # randAlphaNum 48: well over the 16 bytes load_key needs
+        assert re.fullmatch(r"[A-Za-z0-9]{48}", key)  # randAlphaNum 48: well over the 16 bytes a key needs
         keys.add(key)
         assert_key_mounted(rendered.gpu_template(namespace), rendered.values, KEY_SECRET)
     assert len(keys) == len(rendered.task_namespaces)  # one key per namespace, not one shared
@@ -492,11 +496,25 @@ def test_readmes_document_the_checkpoint_key():
 # ----------------------------------------------------------------------------------------- RBAC
 
 
-def test_training_pods_get_no_api_token_and_no_role(rendered):
-    """Training reads platform.toml from a mounted ConfigMap: no token, no Role, no ClusterRole."""
-    for kind in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"):
+KEY_READER = "fuseforge-checkpoint-key-reader"
+
+
+def test_training_pods_get_no_api_token_and_no_role_but_their_key(rendered):
+    """Training reads platform.toml from a mounted ConfigMap: no token, no ClusterRole, and one Role: reading its
+    namespace's checkpoint key by name, which only the training ServiceAccount is bound to."""
+    for kind in ("ClusterRole", "ClusterRoleBinding"):
         assert not rendered.of_kind(kind), kind
     sa_name = rendered.values["training"]["serviceAccount"]["name"]
+    key_secret = rendered.values["checkpointKey"]["existingSecret"] or "fuseforge-checkpoint-key"
+    assert {(d["metadata"]["namespace"], d["metadata"]["name"]) for d in rendered.of_kind("Role")} == {
+        (ns, KEY_READER) for ns in rendered.task_namespaces}
+    for namespace in rendered.task_namespaces:
+        role = rendered.one("Role", namespace)
+        assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": [key_secret],
+                                  "verbs": ["get"]}]
+        binding = rendered.one("RoleBinding", namespace)
+        assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": KEY_READER}
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa_name, "namespace": namespace}]
     for namespace in rendered.task_namespaces:
         account = rendered.one("ServiceAccount", namespace)
         assert account["metadata"]["name"] == sa_name
@@ -509,13 +527,18 @@ def test_training_pods_get_no_api_token_and_no_role(rendered):
 def test_training_rbac_opt_in_is_namespaced_and_read_only(helm, umbrella, tmp_path):
     extra = [{"apiGroups": ["kubeflow.org"], "resources": ["pytorchjobs"], "verbs": ["get", "list"]}]
     training = {"serviceAccount": {"name": "trainer", "automountToken": True}, "rbac": {"create": True, "extraRules": extra}}
-    values = _write_values(tmp_path, {"platform": {"training": training}})
+    api_server = {"to": [{"ipBlock": {"cidr": "10.0.0.1/32"}}], "ports": [{"port": 443, "protocol": "TCP"}]}
+    network = {"egress": {"enabled": True, "apiServer": api_server}}
+    values = _write_values(tmp_path, {"platform": {"training": training, "networkPolicy": network}})
     docs = helm.render(umbrella, "-f", str(values))
     rendered = Rendered("rbac", _merge(platform_values(), {"training": training}), docs)
     assert not rendered.of_kind("ClusterRole") and not rendered.of_kind("ClusterRoleBinding")
     configmap_name = rendered.values["platformConfig"]["configMapName"]
     for namespace in rendered.task_namespaces:
-        role = rendered.one("Role", namespace)
+        # With an API token, the pods may reach the API server (only with it: see the egress tests).
+        egress = rendered.one("NetworkPolicy", namespace, "fuseforge-task-egress")["spec"]["egress"]
+        assert api_server in egress
+        role = rendered.one("Role", namespace, "trainer")
         assert role["metadata"]["name"] == "trainer"
         for rule in role["rules"]:
             assert set(rule["verbs"]) <= READ_ONLY_VERBS, rule
@@ -526,7 +549,7 @@ def test_training_rbac_opt_in_is_namespaced_and_read_only(helm, umbrella, tmp_pa
             {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": [configmap_name], "verbs": ["get"]},
             *extra,
         ]
-        binding = rendered.one("RoleBinding", namespace)
+        binding = rendered.one("RoleBinding", namespace, "trainer")
         assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "trainer"}
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "trainer", "namespace": namespace}]
         assert rendered.one("ServiceAccount", namespace)["automountServiceAccountToken"] is True
@@ -537,10 +560,15 @@ def test_training_rbac_opt_in_is_namespaced_and_read_only(helm, umbrella, tmp_pa
         kubernetes_validate.validate(doc, K8S_VERSIONS[0], strict=True)
 
     # A Role without a token is of no use: refused, naming the value to set.
-    no_token = _write_values(tmp_path, {"platform": {"training": {"rbac": {"create": True}}}})
+    no_token = _write_values(tmp_path, {"platform": {"training": {"rbac": {"create": True}}, "networkPolicy": network}})
     proc = helm.template(umbrella, "-f", str(no_token))
     assert proc.returncode != 0
     assert "training.rbac.create needs training.serviceAccount.automountToken: true" in proc.stderr
+    # A token but no way through the egress policy to the API server: refused, naming the value to set.
+    unreachable = _write_values(tmp_path, {"platform": {"training": training}})
+    proc = helm.template(umbrella, "-f", str(unreachable))
+    assert proc.returncode != 0
+    assert "networkPolicy.egress.apiServer.to is empty" in proc.stderr and "kubectl get endpoints kubernetes" in proc.stderr
 
 
 # ----------------------------------------------------------------------------------------- pod security
@@ -669,6 +697,13 @@ def test_flyte_deployment_gets_our_values(rendered):
     assert flyte["securityContext"] == ours["securityContext"]
     assert wait_for_db["securityContext"] == ours["waitForDB"]["securityContext"]
     assert restricted_violations(pod) == []
+    # A read-only root filesystem; what Flyte writes goes to emptyDirs (its state dir, /tmp).
+    assert flyte["securityContext"]["readOnlyRootFilesystem"] is True
+    assert wait_for_db["securityContext"]["readOnlyRootFilesystem"] is True
+    writable = {m["mountPath"]: m["name"] for m in flyte["volumeMounts"] if not m.get("readOnly")}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    for path in ("/tmp", "/var/run/flyte"):
+        assert "emptyDir" in volumes[writable[path]], path
     # The database password: a file of the existing Secret's volume, named in Flyte's database config.
     for volume in ours["extraVolumes"]:
         assert volume in pod["volumes"]
@@ -688,10 +723,12 @@ def test_flyte_deployment_gets_our_values(rendered):
     admin = config["000-core.yaml"]["flyte"]["admin"]
     seeded = set(admin["seedProjects"]) | {p["name"] for p in admin["seedProjectsWithDetails"]}
     assert seeded and seeded <= set(rendered.values["projects"])
-    # Our extra rules are in the ClusterRole that Flyte's ServiceAccount is bound to.
-    (role,) = [d for d in from_chart(rendered.release, "flyte-binary") if d["kind"] == "ClusterRole"]
-    (binding,) = [d for d in from_chart(rendered.release, "flyte-binary") if d["kind"] == "ClusterRoleBinding"]
-    assert all(rule in role["rules"] for rule in values["rbac"]["extraRules"])
+    # Flyte's ServiceAccount is bound to our ClusterRole (flyteRbac), not flyte-binary's own.
+    assert not [d for d in from_chart(rendered.release, "flyte-binary") if d["kind"].endswith(("Role", "RoleBinding"))]
+    (role,) = [d for d in from_chart(rendered.release, "fuseforge") if d["kind"] == "ClusterRole"]
+    (binding,) = [d for d in from_chart(rendered.release, "fuseforge") if d["kind"] == "ClusterRoleBinding"]
+    umbrella_values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert role["rules"][: len(umbrella_values["flyteRbac"]["clusterRules"])] == umbrella_values["flyteRbac"]["clusterRules"]
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": pod["serviceAccountName"], "namespace": FLYTE_NAMESPACE}]
 
@@ -706,6 +743,131 @@ def test_flyte_auth_init_container_is_pinned_and_unprivileged(helm, umbrella, tm
     assert restricted_violations(pod) == []
     for doc in docs:
         kubernetes_validate.validate(doc, K8S_VERSIONS[0], strict=True)
+
+
+# ----------------------------------------------------------------------------------------- least privilege
+
+
+FLYTE_SA = ("flyte", FLYTE_FULLNAME)  # (namespace, name) of Flyte's ServiceAccount
+
+
+def rbac_allows(docs: Sequence[dict], account: tuple, verb: str, group: str, resource: str, namespace: str,
+                name: str = "") -> bool:
+    """What `kubectl auth can-i` would answer for this ServiceAccount from these manifests alone (RBAC's
+    rules: union of the bound roles; a ClusterRoleBinding everywhere, a RoleBinding in its namespace;
+    resourceNames restrict to those names; "*" matches anything)."""
+    roles = {(d["kind"], d["metadata"].get("namespace") if d["kind"] == "Role" else None, d["metadata"]["name"]): d
+             for d in docs if d["kind"] in ("Role", "ClusterRole")}  # a ClusterRole's namespace means nothing
+    subject = {"kind": "ServiceAccount", "namespace": account[0], "name": account[1]}
+    for binding in docs:
+        if binding["kind"] not in ("RoleBinding", "ClusterRoleBinding") or subject not in binding.get("subjects", []):
+            continue
+        where = binding["metadata"].get("namespace")
+        if binding["kind"] == "RoleBinding" and where != namespace:
+            continue
+        ref = binding["roleRef"]
+        role = roles.get((ref["kind"], where if ref["kind"] == "Role" else None, ref["name"]))
+        for rule in (role or {}).get("rules", []):
+            if (({"*", group} & set(rule.get("apiGroups", []))) and ({"*", resource} & set(rule.get("resources", [])))
+                    and ({"*", verb} & set(rule.get("verbs", [])))
+                    and (not rule.get("resourceNames") or name in rule["resourceNames"])):
+                return True
+    return False
+
+
+def test_rbac_evaluator_answers_like_the_api_server():
+    docs = [
+        {"kind": "ClusterRole", "metadata": {"name": "c", "namespace": "ignored"},
+         "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]},
+        {"kind": "ClusterRoleBinding", "metadata": {"name": "c", "namespace": "ignored"},
+         "roleRef": {"kind": "ClusterRole", "name": "c"},
+         "subjects": [{"kind": "ServiceAccount", "namespace": "a", "name": "x"}]},
+        {"kind": "Role", "metadata": {"namespace": "b", "name": "r"},
+         "rules": [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["k"], "verbs": ["get"]}]},
+        {"kind": "RoleBinding", "metadata": {"namespace": "b", "name": "r"}, "roleRef": {"kind": "Role", "name": "r"},
+         "subjects": [{"kind": "ServiceAccount", "namespace": "a", "name": "x"}]},
+    ]
+    assert rbac_allows(docs, ("a", "x"), "get", "", "pods", "anywhere")
+    assert not rbac_allows(docs, ("a", "x"), "list", "", "pods", "anywhere")
+    assert rbac_allows(docs, ("a", "x"), "get", "", "secrets", "b", "k")
+    assert not rbac_allows(docs, ("a", "x"), "get", "", "secrets", "b")  # every Secret: not granted
+    assert not rbac_allows(docs, ("a", "x"), "get", "", "secrets", "c", "k")
+    assert not rbac_allows(docs, ("a", "y"), "get", "", "pods", "anywhere")
+
+
+# What upstream flyte-binary's ClusterRole grants and Flyte never needs outside its own namespace.
+FLYTE_NEVER = [("get", "", "secrets"), ("list", "", "secrets"), ("watch", "", "secrets"), ("create", "", "secrets"),
+               ("update", "", "secrets"), ("create", "", "serviceaccounts"), ("update", "", "resourcequotas"),
+               ("create", "", "pods/exec"), ("get", "", "pods/log"), ("list", "", "namespaces")]
+
+
+@pytest.mark.parametrize("auth", [False, True], ids=["auth-off", "auth-on"])
+def test_flyte_reads_no_secrets_but_its_own_and_can_run_tasks(helm, umbrella, tmp_path, auth):
+    docs = helm.render(umbrella, *(["-f", str(_write_values(tmp_path, AUTH_ON))] if auth else []))
+    assert not [d for d in from_chart(docs, "flyte-binary") if "Role" in d["kind"]]  # flyte-binary's own: off
+    task_namespaces = [f"fuseforge-{d}" for d in ("development", "staging", "production")]
+    for namespace in [*task_namespaces, "kube-system", "default"]:
+        for verb, group, resource in FLYTE_NEVER:
+            assert not rbac_allows(docs, FLYTE_SA, verb, group, resource, namespace, "fuseforge-checkpoint-key"), \
+                (verb, resource, namespace)
+        # What running tasks needs (flyteRbac's rules, from Flyte's sources).
+        for verb, group, resource in [("create", "", "pods"), ("delete", "", "pods"), ("watch", "", "pods"),
+                                      ("get", "", "podtemplates"), ("create", "", "events"),
+                                      ("create", "kubeflow.org", "pytorchjobs"), ("watch", "kubeflow.org", "pytorchjobs"),
+                                      ("create", "flyte.lyft.com", "flyteworkflows"), ("create", "", "namespaces")]:
+            assert rbac_allows(docs, FLYTE_SA, verb, group, resource, namespace), (verb, resource, namespace)
+    # Its own Secrets, in its own namespace, by name: the webhook's certificate (and the admin auth secret).
+    own = [f"{FLYTE_FULLNAME}-webhook-secret"] + ([f"{FLYTE_FULLNAME}-admin-auth"] if auth else [])
+    for name in own:
+        assert rbac_allows(docs, FLYTE_SA, "get", "", "secrets", FLYTE_NAMESPACE, name)
+        assert rbac_allows(docs, FLYTE_SA, "update", "", "secrets", FLYTE_NAMESPACE, name)
+    assert not rbac_allows(docs, FLYTE_SA, "get", "", "secrets", FLYTE_NAMESPACE, "fuseforge-flyte-db")
+    assert not rbac_allows(docs, FLYTE_SA, "list", "", "secrets", FLYTE_NAMESPACE)
+    assert rbac_allows(docs, FLYTE_SA, "update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations",
+                       "", f"{FLYTE_FULLNAME}-webhook")
+    assert not rbac_allows(docs, FLYTE_SA, "update", "admissionregistration.k8s.io", "mutatingwebhookconfigurations",
+                           "", "someone-elses-webhook")
+    # The checkpoint keys: readable by the training ServiceAccount of their own namespace only.
+    for namespace in task_namespaces:
+        training = (namespace, "fuseforge-training")
+        assert rbac_allows(docs, training, "get", "", "secrets", namespace, "fuseforge-checkpoint-key")
+        assert not rbac_allows(docs, training, "list", "", "secrets", namespace)
+        assert not rbac_allows(docs, (namespace, "default"), "get", "", "secrets", namespace, "fuseforge-checkpoint-key")
+        others = [n for n in task_namespaces if n != namespace]
+        assert not any(rbac_allows(docs, training, "get", "", "secrets", n, "fuseforge-checkpoint-key") for n in others)
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSIONS[0], strict=True)
+
+
+def test_flyte_without_its_webhook_gets_no_webhook_or_secret_rights(helm, umbrella):
+    docs = helm.render(umbrella, "--set", "flyte-binary.flyte-core-components.propeller.disableWebhook=true")
+    assert not [d for d in docs if d["kind"] in ("Role", "RoleBinding") and d["metadata"]["namespace"] == FLYTE_NAMESPACE]
+    assert not rbac_allows(docs, FLYTE_SA, "create", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "")
+    assert not rbac_allows(docs, FLYTE_SA, "create", "", "secrets", FLYTE_NAMESPACE)
+
+
+def test_flyte_binary_cluster_role_cannot_come_back_alongside(helm, umbrella):
+    proc = helm.template(umbrella, "--set", "flyte-binary.rbac.create=true")
+    assert proc.returncode != 0
+    assert "flyte-binary.rbac.create must stay false while flyteRbac.create is true" in proc.stderr
+    # Without either, Flyte's permissions are the operator's business: nothing is rendered for it.
+    docs = helm.render(umbrella, "--set", "flyteRbac.create=false")
+    assert not rbac_allows(docs, FLYTE_SA, "create", "", "pods", "fuseforge-development")
+
+
+@pytest.mark.parametrize("rule, field", [
+    ({"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]}, "/flyteRbac/extraClusterRules/0/resources/0"),
+    ({"apiGroups": [""], "resources": ["*"], "verbs": ["get"]}, "/flyteRbac/extraClusterRules/0/resources/0"),
+    ({"apiGroups": ["*"], "resources": ["pods"], "verbs": ["get"]}, "/flyteRbac/extraClusterRules/0/apiGroups/0"),
+    ({"apiGroups": [""], "resources": ["pods"], "verbs": ["*"]}, "/flyteRbac/extraClusterRules/0/verbs/0"),
+    ({"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"], "verbs": ["escalate"]},
+     "/flyteRbac/extraClusterRules/0/verbs/0"),
+    ({"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create"]}, "/flyteRbac/extraClusterRules/0/resources/0"),
+], ids=["secrets", "any-resource", "any-group", "any-verb", "escalate", "exec"])
+def test_flyte_rules_that_would_reopen_secrets_or_wildcards_are_rejected(helm, umbrella, rule, field):
+    proc = helm.template(umbrella, "--set-json", f"flyteRbac.extraClusterRules=[{json.dumps(rule)}]")
+    assert proc.returncode != 0 and "don't meet the specifications of the schema" in proc.stderr
+    assert field in proc.stderr, proc.stderr
 
 
 # ----------------------------------------------------------------------------------------- images
@@ -802,11 +964,88 @@ def test_flyte_admin_is_reachable_only_from_its_namespace_and_the_ingress(helm, 
 
 def test_task_pods_accept_connections_only_from_their_namespace(rendered):
     for namespace in rendered.task_namespaces:
-        policy = rendered.one("NetworkPolicy", namespace)
+        policy = rendered.one("NetworkPolicy", namespace, "fuseforge-task-isolation")
         assert policy["spec"]["podSelector"] == {}  # every pod of the namespace
         assert policy["spec"]["policyTypes"] == ["Ingress"]
         assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {}}]}]
     assert not [d for d in rendered.of_kind("NetworkPolicy") if d["metadata"]["namespace"] == rendered.flyte_namespace]
+
+
+PRIVATE = ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16"]
+
+
+def egress_rules(docs: Sequence[dict], namespace: str) -> List[dict]:
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["namespace"] == namespace
+                 and d["metadata"]["name"] == "fuseforge-task-egress"]
+    assert policy["spec"]["podSelector"] == {} and policy["spec"]["policyTypes"] == ["Egress"]
+    rules = policy["spec"]["egress"]
+    assert all(rule.get("to") for rule in rules), rules  # a rule without peers would allow any destination
+    return rules
+
+
+def test_task_pods_connect_only_to_dns_their_job_and_public_https_by_default(rendered):
+    egress = rendered.values["networkPolicy"]["egress"]
+    for namespace in rendered.task_namespaces:
+        dns, same_job, public = egress_rules(rendered.docs, namespace)
+        assert dns == {"to": egress["dns"]["to"], "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+        assert dns["to"] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                              "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}}}]
+        assert same_job == {"to": [{"podSelector": {}}]}  # the pods of the namespace, i.e. of its jobs
+        # HTTPS only, never the cluster's private ranges nor link-local (the cloud metadata endpoint's credentials).
+        assert public == {"to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": PRIVATE}}], "ports": [{"port": 443, "protocol": "TCP"}]}
+    # None in Flyte's namespace (its fallback template's pods are other projects').
+    assert not [d for d in rendered.of_kind("NetworkPolicy") if d["metadata"]["namespace"] == rendered.flyte_namespace]
+
+
+def test_task_egress_is_an_allow_list_from_values(helm, umbrella, tmp_path):
+    store = [{"ipBlock": {"cidr": "52.218.0.0/17"}}]
+    hubs = [{"ipBlock": {"cidr": "18.160.0.0/15"}}, {"namespaceSelector": {"matchLabels": {"team": "mirror"}}}]
+    metadata = {"to": [{"ipBlock": {"cidr": "169.254.169.254/32"}}], "ports": [{"port": 80, "protocol": "TCP"}]}
+    egress = {"objectStore": {"to": store}, "hubs": {"to": hubs, "ports": [{"port": 8443, "protocol": "TCP"}]},
+              "publicHttps": False, "sameNamespace": False, "extraRules": [metadata]}
+    docs = helm.render(umbrella, "-f", str(_write_values(tmp_path, {"platform": {"networkPolicy": {"egress": egress}}})))
+    for namespace in ("fuseforge-development", "fuseforge-production"):
+        dns, object_store, hub, extra = egress_rules(docs, namespace)
+        assert dns["ports"][0]["port"] == 53
+        assert object_store == {"to": store, "ports": [{"port": 443, "protocol": "TCP"}]}
+        assert hub == {"to": hubs, "ports": [{"port": 8443, "protocol": "TCP"}]}
+        assert extra == metadata
+    for doc in docs:
+        kubernetes_validate.validate(doc, K8S_VERSIONS[0], strict=True)
+    off = helm.render(umbrella, "--set", "platform.networkPolicy.egress.enabled=false")
+    assert not [d for d in off if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "fuseforge-task-egress"]
+    assert [d for d in off if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "fuseforge-task-isolation"]
+
+
+@pytest.mark.parametrize("args, field", [
+    (["--set-json", 'platform.networkPolicy.egress.hubs.to=[{"ipBlock":{"cidr":"huggingface.co"}}]'],
+     "/networkPolicy/egress/hubs/to/0/ipBlock/cidr"),
+    (["--set-json", 'platform.networkPolicy.egress.objectStore.to=[{"fqdn":"s3.amazonaws.com"}]'],
+     "/networkPolicy/egress/objectStore/to/0"),
+    (["--set-json", 'platform.networkPolicy.egress.extraRules=[{"to":[]}]'], "/networkPolicy/egress/extraRules/0/to"),
+    (["--set-json", 'platform.networkPolicy.egress.dns.ports=[{"port":53,"protocol":"ICMP"}]'],
+     "/networkPolicy/egress/dns/ports/0/protocol"),
+    (["--set", "platform.networkPolicy.egress.publicHttps=yes"], "/networkPolicy/egress/publicHttps"),
+], ids=["host-name-as-cidr", "unknown-peer", "rule-without-peers", "bad-protocol", "not-a-boolean"])
+def test_egress_values_that_cannot_work_are_rejected(helm, umbrella, args, field):
+    proc = helm.template(umbrella, *args)
+    assert proc.returncode != 0 and "don't meet the specifications of the schema" in proc.stderr
+    assert field in proc.stderr, proc.stderr
+
+
+def test_every_egress_value_is_documented_in_values_and_schema():
+    schema = json.loads((PLATFORM_CHART / "values.schema.json").read_text())["properties"]["networkPolicy"]
+    egress_schema = schema["properties"]["egress"]["properties"]
+    values_text = (PLATFORM_CHART / "values.yaml").read_text()
+    egress_values = yaml.safe_load(values_text)["networkPolicy"]["egress"]
+    assert set(egress_values) == set(egress_schema)
+    lines = values_text.splitlines()
+    start = lines.index("  egress:")
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].strip() and not lines[i].startswith("    "))
+    for key in egress_values:
+        assert egress_schema[key].get("description"), key
+        (index,) = [i for i in range(start, end) if re.match(rf"^    {key}:", lines[i])]
+        assert lines[index - 1].strip().startswith("#"), f"networkPolicy.egress.{key} has no comment in values.yaml"
 
 
 # ----------------------------------------------------------------------------------------- platform.toml
@@ -954,7 +1193,7 @@ BAD_VALUES = [
     (["--set", "platform.checkpointKey.secretKey=a/b"], "/checkpointKey/secretKey"),
     (["--set", "platform.checkpointKey.mountPath=relative"], "/checkpointKey/mountPath"),
     (["--set", "platform.checkpointKey=null"], "missing property 'checkpointKey'"),
-    *[  # the checkpoint key's variables come from checkpointKey (load_key refuses KEY and KEY_FILE together)
+    *[  # the checkpoint key's variables come from checkpointKey (configured_key refuses KEY and KEY_FILE together)
         (["--set", "platform.gpuPodTemplate.env[0].value=x", "--set", f"platform.gpuPodTemplate.env[0].name={name}"],
          "/gpuPodTemplate/env/0/name")
         for name in ("FUSEFORGE_CHECKPOINT_KEY", "FUSEFORGE_CHECKPOINT_KEY_FILE", "FUSEFORGE_CHECKPOINT_REQUIRE_KEY")
@@ -1070,17 +1309,19 @@ def test_flyte_binary_values_enable_pytorch_jobs_on_gpus():
     assert k8s["default-pod-template-name"] == platform["basePodTemplate"]["name"] != platform["gpuPodTemplate"]["name"]
     assert set(platform["projects"]) <= set(flyte["flyte-core-components"]["admin"]["seedProjects"])
 
+    rules = values["flyteRbac"]["clusterRules"]
+
     def verbs_for(group: str, resource: str) -> set:
         return {
             verb
-            for rule in flyte["rbac"]["extraRules"]
+            for rule in rules
             if group in rule["apiGroups"] and resource in rule["resources"]
             for verb in rule["verbs"]
         }
 
     assert {"create", "get", "list", "watch", "delete", "patch", "update"} <= verbs_for("kubeflow.org", "pytorchjobs")
     assert {"get", "list", "watch"} <= verbs_for("", "podtemplates")
-    assert not any("*" in item for rule in flyte["rbac"]["extraRules"] for f in rule.values() for item in f)
+    assert not any("*" in item for rule in rules for f in rule.values() for item in f)
 
 
 def install_dry_run(helm, umbrella, *args: str) -> tuple[List[dict], str]:

@@ -7,11 +7,13 @@ reproduce the uninterrupted loss curve bit for bit.
 """
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import random
+import shutil
 import signal
 import struct
 import subprocess
@@ -218,8 +220,9 @@ def _xor_byte(path, offset, mask):
         handle.write(bytes([byte ^ mask]))
 
 
-def _rehash(checkpoint):
-    """What a writer without the key can do: make the manifest match the files again (an HMAC then fails)."""
+def _rehash(checkpoint, *, sign=False, unsigned=False):
+    """What a writer without the key can do: make the manifest match the files again (an HMAC then fails), or
+    drop its signature (`unsigned`). `sign`: what a writer with this run's key does (the manifest verifies)."""
     marker = json.loads((checkpoint / MARKER).read_text())
     for rel, entry in marker["files"].items():
         data = (checkpoint / rel).read_bytes()
@@ -227,6 +230,12 @@ def _rehash(checkpoint):
             entry.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
         else:  # the format before content hashes: sizes only
             marker["files"][rel] = len(data)
+    if sign or unsigned:
+        marker = {k: v for k, v in marker.items() if k not in ("hmac", "key_id")}
+    if sign:
+        from fuseforge_flyte.training.checkpoint_signing import Signing
+
+        marker = Signing(str(checkpoint), allow_unsigned=False, log_it=False).sign(marker)
     (checkpoint / MARKER).write_text(json.dumps(marker))
 
 
@@ -373,9 +382,12 @@ def test_rewritten_pickle_never_reaches_an_unpickler(tmp_path, monkeypatch, capl
 
 def test_with_a_key_unsigned_or_foreign_checkpoints_are_refused(tmp_path, monkeypatch):
     unsigned = _spec(tmp_path / "unsigned", steps=4)
-    _interrupt(monkeypatch, unsigned, 3)
+    _interrupt(monkeypatch, unsigned, 3)  # signed with the per-user key: no key is configured
     monkeypatch.setenv(KEY_ENV, KEY)
-    with pytest.raises(CheckpointError, match="step_00000002: not signed"):
+    with pytest.raises(CheckpointError, match="step_00000002: signed with another key .*from FUSEFORGE_CHECKPOINT_KEY"):
+        train(unsigned)
+    _rehash(tmp_path / "unsigned" / "step_00000002", unsigned=True)
+    with pytest.raises(CheckpointError, match="step_00000002: not signed: it cannot be authenticated"):
         train(unsigned)
     signed = _spec(tmp_path / "signed", steps=4)
     _interrupt(monkeypatch, signed, 3)
@@ -392,12 +404,15 @@ def test_with_a_key_unsigned_or_foreign_checkpoints_are_refused(tmp_path, monkey
         train(signed)
 
 
-def test_object_store_without_a_key_is_refused_before_training(monkeypatch):
+def test_in_a_pod_without_a_key_checkpoints_are_refused_before_training(monkeypatch):
+    """A key made in a pod would die with it (a retry could not verify its checkpoints): none is made there."""
     import fsspec
 
     monkeypatch.delenv(KEY_ENV, raising=False)
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
     root = f"memory://fuseforge-test-{random.randrange(1 << 30)}"
-    with pytest.raises(CheckpointError, match=f"an object store and no checkpoint key.*{KEY_ENV}.*{KEY_FILE_ENV}"):
+    with pytest.raises(CheckpointError, match=f"no checkpoint key is set and this runs in a Kubernetes pod.*{KEY_ENV}"
+                                              f".*{KEY_FILE_ENV}.*allow_unsigned_checkpoints=true"):
         train(_spec(root))
     assert not fsspec.filesystem("memory").exists(root[len("memory://"):])
 
@@ -405,11 +420,134 @@ def test_object_store_without_a_key_is_refused_before_training(monkeypatch):
 def test_a_key_can_be_required_for_a_local_directory(tmp_path, monkeypatch):
     """For a local copy of remote data (e.g. Flyte's intra-task checkpoint restored from the bucket)."""
     monkeypatch.setenv("FUSEFORGE_CHECKPOINT_REQUIRE_KEY", "1")
-    with pytest.raises(CheckpointError, match="FUSEFORGE_CHECKPOINT_REQUIRE_KEY is set and no checkpoint key"):
+    with pytest.raises(CheckpointError, match="no checkpoint key is set and FUSEFORGE_CHECKPOINT_REQUIRE_KEY is set"):
         train(_spec(tmp_path))
     assert not os.listdir(tmp_path)
     monkeypatch.setenv(KEY_ENV, KEY)
     assert train(_spec(tmp_path, steps=2)).steps == 2
+
+
+# ----------------------------------------------------------------- signed by default (issue 35)
+
+
+class _StealthyPayload:
+    """Unpickling it creates a directory, then returns what the real file held: the run would carry on as if
+    nothing happened."""
+
+    def __init__(self, path, real: bytes):
+        self.path, self.real = path, real
+
+    def __reduce__(self):
+        return (eval, (f"__import__('os').mkdir({self.path!r}) or __import__('pickle').loads({self.real!r})",))
+
+
+def _no_configured_key(monkeypatch):
+    for name in (KEY_ENV, KEY_FILE_ENV, "FUSEFORGE_CHECKPOINT_REQUIRE_KEY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _unsigned_payload_in_newest(tmp_path, monkeypatch, stealthy=True):
+    """An FSDP run (no key configured: the per-user key signs it) with checkpoints at steps 2 and 4, then a writer
+    without the key: step 4's DCP .metadata replaced by a pickle that runs code (creating `flag`), the manifest
+    made to match the files again and, all it can do about the HMAC, its signature dropped. (spec, flag)."""
+    _no_configured_key(monkeypatch)
+    spec = _spec(tmp_path / "ckpt", strategy="fsdp", steps=6)
+    _interrupt(monkeypatch, spec, 5)
+    flag = tmp_path / "code-ran"
+    newest = tmp_path / "ckpt" / "step_00000004"
+    metadata = newest / "dcp" / ".metadata"
+    payload = _StealthyPayload(str(flag), metadata.read_bytes()) if stealthy else _Payload(str(flag))
+    metadata.write_bytes(__import__("pickle").dumps(payload))
+    _rehash(newest, unsigned=True)
+    return spec, flag
+
+
+def test_without_a_configured_key_local_runs_sign_with_a_per_user_key(tmp_path, monkeypatch, caplog):
+    _no_configured_key(monkeypatch)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    spec = _spec(tmp_path / "ckpt", steps=4)
+    with caplog.at_level(logging.INFO, logger="fuseforge.training"):
+        _interrupt(monkeypatch, spec, 3)
+    key_file = tmp_path / "config" / "fuseforge" / "checkpoint-key"
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    assert _warned(caplog, "created the checkpoint key", str(key_file))
+    marker = json.loads((tmp_path / "ckpt" / "step_00000002" / MARKER).read_text())
+    assert len(marker["hmac"]) == 64 and marker["key_id"]
+    key = key_file.read_bytes()
+    assert train(spec).resumed_from_step == 2
+    assert key_file.read_bytes() == key  # made once
+
+
+@pytest.mark.parametrize("stealthy", [False, True], ids=["payload", "stealthy-payload"])
+def test_an_unsigned_checkpoint_never_reaches_an_unpickler(tmp_path, monkeypatch, caplog, stealthy):
+    """No key configured, a local checkpoint_dir: the newest checkpoint's .metadata is a pickle that runs code
+    (the stealthy one then returns the real metadata). Unsigned, it is refused: the code never runs."""
+    spec, flag = _unsigned_payload_in_newest(tmp_path, monkeypatch, stealthy)
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert not flag.exists()
+    assert resumed.resumed_from_step == 2
+    assert _warned(caplog, "step_00000004", "not signed: it cannot be authenticated", "allow_unsigned_checkpoints")
+
+
+def test_a_directory_of_unsigned_checkpoints_stops_the_run_without_loading_any(tmp_path, monkeypatch):
+    spec, flag = _unsigned_payload_in_newest(tmp_path, monkeypatch)
+    _rehash(tmp_path / "ckpt" / "step_00000002", unsigned=True)
+    with pytest.raises(CheckpointError, match="none can be loaded.*step_00000004: not signed.*step_00000002: not signed"):
+        train(spec)
+    assert not flag.exists()
+    assert not list((tmp_path / "ckpt").glob(f"step_*/{SKIPPED}"))
+
+
+def test_the_opt_in_loads_an_unsigned_checkpoint_and_warns_before_its_bytes_are_read(tmp_path, monkeypatch):
+    spec, flag = _unsigned_payload_in_newest(tmp_path, monkeypatch)
+    seen = []  # (message, had the payload run when it was logged?)
+
+    class Recorder(logging.Handler):
+        def emit(self, record):
+            seen.append((record.getMessage(), flag.exists()))
+
+    logger = logging.getLogger("fuseforge.training")
+    recorder = Recorder(level=logging.WARNING)
+    logger.addHandler(recorder)
+    try:
+        resumed = train(dataclasses.replace(spec, allow_unsigned_checkpoints=True))
+    finally:
+        logger.removeHandler(recorder)
+    assert flag.exists() and resumed.resumed_from_step == 4  # opted in: loaded, and its code ran
+    said = [ran for message, ran in seen if "step_00000004" in message and "not signed" in message
+            and "allow_unsigned_checkpoints is set" in message]
+    assert said == [False]  # said once, before any byte of it reached the unpickler
+
+
+def test_a_planted_skip_mark_in_the_newest_signed_checkpoint_is_ignored_and_said(reference, tmp_path, monkeypatch,
+                                                                                caplog):
+    spec = _spec(tmp_path)
+    _interrupt(monkeypatch, spec, 7)
+    (tmp_path / "step_00000006" / SKIPPED).write_text(json.dumps({"reason": "planted", "time": time.time()}))
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert resumed.resumed_from_step == 6 and resumed.steps_redone == 1  # no fall back to step 4
+    assert resumed.loss_curve == reference.loss_curve
+    assert _warned(caplog, f"ignoring {SKIPPED} in checkpoint", "step_00000006", "signature does not match")
+
+
+def test_a_skip_mark_counts_for_the_checkpoint_it_was_made_for_only_and_is_said(reference, tmp_path, monkeypatch,
+                                                                                caplog):
+    spec = _spec(tmp_path)
+    _interrupt(monkeypatch, spec, 7)
+    with open(tmp_path / "step_00000006" / "optimizer.pt", "r+b") as handle:
+        handle.truncate(10)
+    _interrupt(monkeypatch, spec, 5)  # falls back to step 4 and marks 6; fails before writing step 6 again
+    mark = tmp_path / "step_00000006" / SKIPPED
+    assert json.loads(mark.read_text())["hmac"]
+    shutil.copy(mark, tmp_path / "step_00000004" / SKIPPED)  # a valid mark, replayed onto another checkpoint
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert resumed.resumed_from_step == 4 and resumed.loss_curve == reference.loss_curve
+    assert _warned(caplog, "skipping checkpoint", "step_00000006", f"marked {SKIPPED} by an earlier attempt",
+                   "optimizer.pt is 10 bytes")
+    assert _warned(caplog, f"ignoring {SKIPPED} in checkpoint", "step_00000004", "signature does not match")
 
 
 def test_full_bucket_is_reported_as_such(monkeypatch):
@@ -452,7 +590,7 @@ def test_damaged_fsdp_checkpoint_falls_back_to_the_previous_one(fsdp_reference, 
     newest = tmp_path / "step_00000006"
     shard = next((newest / "dcp").glob("*.distcp"))
     shard.write_bytes(bytes(shard.stat().st_size))
-    _rehash(newest)  # no key: the hashes match again, so only loading can notice
+    _rehash(newest, sign=True)  # signed again with the run's key: the manifest verifies, only loading can notice
     with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
         resumed = train(spec)
     assert resumed.resumed_from_step == 4
@@ -612,7 +750,7 @@ def test_default_checkpoint_location_survives_preemption_across_attempts(referen
     from flytekit.core.checkpointer import SyncCheckpoint
 
     from fuseforge_flyte.flyte_checkpoint import MIRROR_ENV, restore_previous, worker_hook
-    from fuseforge_flyte.training.checkpoint import REQUIRE_KEY_ENV
+    from fuseforge_flyte.training.checkpoint_signing import REQUIRE_KEY_ENV
     from fuseforge_flyte.training.preemption import SIGNAL_ENV, Preempted
 
     monkeypatch.setenv(KEY_ENV, KEY)

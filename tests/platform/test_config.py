@@ -88,6 +88,16 @@ def test_good_file_gives_typed_values(tmp_path):
     assert load_config(path, env={}).train_spec().checkpoint_dir == "s3://bucket/ckpt"
     assert load_config(env={}).train_spec().checkpoint_dir == ""  # the default location (cluster) or none
     assert load_config(env={}).train_spec().checkpoint_location is None
+    assert spec.allow_unsigned_checkpoints is False  # refused unless opted into by name
+
+
+def test_the_unsigned_checkpoint_opt_in_is_one_checkpoint_setting(tmp_path):
+    path = write(tmp_path, REQUIRED + "\n[checkpoint]\nallow_unsigned_checkpoints = true\n")
+    assert load_config(path, env={}).train_spec().allow_unsigned_checkpoints is True
+    env = {"FUSEFORGE__CHECKPOINT__ALLOW_UNSIGNED_CHECKPOINTS": "true"}
+    assert load_config(env=env).train_spec().allow_unsigned_checkpoints is True
+    with pytest.raises(ConfigError, match=r"\[checkpoint\]\.allow_unsigned_checkpoints must be"):
+        load_config(env={"FUSEFORGE__CHECKPOINT__ALLOW_UNSIGNED_CHECKPOINTS": '"yes"'})
 
 
 FLYTE = '[flyte]\nproject = "ml"\ndomain = "production"\n'

@@ -183,7 +183,8 @@ def test_workflow_inputs_mirror_trainspec_with_config_defaults():
     assert list(train.python_interface.outputs) == ["metrics", "model"]
     compare_inputs = compare.python_interface.inputs_with_defaults
     assert set(spec_fields) - set(compare_inputs) == {"kernels", "checkpoint_dir", "checkpoint_every", "keep_last",
-                                                      "resume_allow_changes", "eval_fraction", "eval_dataset",
+                                                      "resume_allow_changes", "allow_unsigned_checkpoints",
+                                                      "eval_fraction", "eval_dataset",
                                                       "eval_every", "teacher", "distill_weight", "distill_beta",
                                                       "distill_temperature"}
     assert compare.python_interface.outputs["o0"].__name__ == "Comparison"

@@ -164,6 +164,8 @@ class CheckpointConfig(_Section):
     dir: str = ""  # local dir or fsspec URI; "": the task's own Flyte checkpoint on a cluster; "off": none
     every: int = Field(0, ge=0)
     keep_last: int = Field(2, ge=1)
+    # load checkpoints not signed with the run's key (integrity-checked only, with a warning); see README
+    allow_unsigned_checkpoints: bool = False
 
 
 class DataConfig(_Section):
@@ -189,7 +191,8 @@ class TrackingConfig(_Section):
 
 
 # TrainSpec fields that platform.toml sets in [checkpoint] rather than [training].
-_CHECKPOINT_FIELDS = {"checkpoint_dir": "dir", "checkpoint_every": "every", "keep_last": "keep_last"}
+_CHECKPOINT_FIELDS = {"checkpoint_dir": "dir", "checkpoint_every": "every", "keep_last": "keep_last",
+                      "allow_unsigned_checkpoints": "allow_unsigned_checkpoints"}
 # TrainSpec fields that are per run, never platform defaults (the task chooses where the model goes).
 _PER_RUN_FIELDS = {"output_dir"}
 
@@ -242,6 +245,7 @@ class PlatformConfig(BaseModel):
             checkpoint_dir=self.checkpoint.dir,
             checkpoint_every=self.checkpoint.every,
             keep_last=self.checkpoint.keep_last,
+            allow_unsigned_checkpoints=self.checkpoint.allow_unsigned_checkpoints,
         )
         values.update(overrides)
         return TrainSpec(**values)

@@ -1,10 +1,15 @@
 """The training image as a flytekit ImageSpec, built from platform.toml's [image] table.
 
-The image gets CUDA torch from the configured wheel index, the requirements of fuseforge's
-pyproject extras (transformers, deepspeed, flytekit + plugins, ...), and fuseforge itself: this
-source checkout (staged without caches and installed with `uv pip install --no-deps`) or a pip
-requirement. Builds go through flytekit's Docker builder, wrapped (builder "fuseforge") so that they
-work from any directory and fail with a clear message when Docker is missing.
+Locked, like images/Dockerfile: the requirements of fuseforge's pyproject extras (transformers, deepspeed,
+flytekit + plugins, ...) come from the hash lock images/requirements.txt, installed from PyPI alone with
+`--require-hashes --no-deps` (every archive checked against its sha256, nothing resolved); then torch, by
+name, from [image].torch_index_url alone (its CUDA stack with it; what the lock already holds stays), and
+fuseforge itself: this source checkout (staged without caches, `uv pip install --no-deps`), or, when
+[image].fuseforge is a pip requirement, from the lock like everything else; `uv pip check` last. No index ever serves another's packages: no
+`--extra-index-url`, no `UV_INDEX_STRATEGY`, at build or run time. A lock that no longer covers [image]
+(an added extra_packages entry, another torch) stops the build, naming `python images/lock.py`.
+Builds go through flytekit's Docker builder, wrapped (builder "fuseforge") so that they work from any
+directory and fail with a clear message when Docker is missing.
 
 Registration (`pyflyte run --remote`, `pyflyte register`) checks that the image is in the registry
 before anything refers to it: flytekit alone, without Docker, only prints "Flytekit assumes the image
@@ -20,6 +25,7 @@ import json
 import os
 import shutil
 import re
+import shlex
 import subprocess
 import tempfile
 import urllib.error
@@ -33,7 +39,8 @@ from flytekit.constants import CopyFileDetection
 from flytekit.image_spec.default_builder import DefaultImageBuilder, create_docker_context
 from flytekit.image_spec.image_spec import ImageBuildEngine, ImageSpec
 
-from fuseforge_flyte.config import ConfigError, PlatformConfig
+from fuseforge_flyte.config import ConfigError, ImageConfig, PlatformConfig
+from fuseforge_flyte.image_lock import LOCK_PATH, RENEW, lock_file, stale_requirements
 
 try:
     import tomllib
@@ -45,9 +52,11 @@ STAGED_SOURCE_DIR = "fuseforge-src"  # inside the Docker context and under /root
 # What a wheel build of fuseforge needs from the checkout (README.md/LICENSE when present).
 SOURCE_PATHS = ("pyproject.toml", "README.md", "LICENSE", "kernels", "workflows")
 _IGNORED = ("__pycache__", "*.pyc", "*.pyo", "*.egg-info", ".pytest_cache", "build", "dist")
-# Build-time settings: no DeepSpeed op pre-compilation (ops JIT on the GPU node when used), and let uv
-# take each package from whichever index has the best match (torch+cuXXX from the torch index).
-IMAGE_ENV = {"DS_BUILD_OPS": "0", "UV_INDEX_STRATEGY": "unsafe-best-match"}
+# Image settings: no DeepSpeed op pre-compilation (ops JIT on the GPU node when used). Nothing about indexes:
+# each install names its one index (see the module docstring).
+IMAGE_ENV = {"DS_BUILD_OPS": "0"}
+# How the lock is installed: each archive checked against its sha256, nothing resolved beyond it.
+LOCKED_INSTALL_ARGS = "--require-hashes --no-deps"
 # uid/gid of the image's user "flytekit", which the Helm chart's pods run as (platform.podSecurityContext):
 # Kubernetes can only check runAsNonRoot against a numeric uid, and /root (where Flyte runs tasks) is its.
 # images/Dockerfile creates the user with it; the ImageSpec build (flytekit creates the user) checks it.
@@ -62,6 +71,8 @@ UID_CHECK_COMMAND = (
 IMAGE_CHECK_ENV = "FUSEFORGE_IMAGE_CHECK"
 # Image names whose tag is the content hash of the sources (not a tag the user chose and pushed).
 _CONTENT_TAGGED: set = set()
+# The config each image name was made from (what its lock must cover).
+_CONFIG_OF: Dict[str, PlatformConfig] = {}
 _MANIFEST_TYPES = (
     "application/vnd.oci.image.index.v1+json",
     "application/vnd.oci.image.manifest.v1+json",
@@ -134,8 +145,17 @@ def image_packages(config: PlatformConfig, checkout: Optional[Path]) -> List[str
     return list(dict.fromkeys([image.torch, *requirements, *image.extra_packages]))
 
 
-def _content_tag(settings: dict, files: List[Tuple[str, Path]]) -> str:
+def torch_install_command(image: ImageConfig) -> str:
+    """torch by name from its own index alone ([image].torch_index_url; PyPI when ""): no other index is asked,
+    so no other index can serve it, and torch's stack (CUDA libraries) comes from where torch does."""
+    index = f"--index-url {shlex.quote(image.torch_index_url)} " if image.torch_index_url else ""
+    return f"uv pip install {index}{shlex.quote(image.torch)}"
+
+
+def _content_tag(settings: dict, files: List[Tuple[str, Path]], lock: Optional[Path] = None) -> str:
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    if lock is not None:
+        digest.update(b"lock\0" + hashlib.sha256(lock.read_bytes()).digest())
     for rel, path in files:
         digest.update(rel.encode() + b"\0")
         digest.update(hashlib.sha256(path.read_bytes()).digest())
@@ -143,31 +163,40 @@ def _content_tag(settings: dict, files: List[Tuple[str, Path]]) -> str:
 
 
 def training_image(config: PlatformConfig) -> ImageSpec:
-    """The ImageSpec every fuseforge task runs in."""
+    """The ImageSpec every fuseforge task runs in: the lock (hash-checked), torch from its index, fuseforge.
+
+    Without a source checkout (e.g. inside the running image) there is no lock: the spec then names the
+    requirements unlocked, for its identity only, and the builder refuses to build or render it."""
     image = config.image
     if (command := registration_command()) and not _SEEN_REGISTRATION:
         _SEEN_REGISTRATION.append(command)
     checkout = find_checkout()
     from_checkout = image.fuseforge == "checkout"
+    lock = lock_file(checkout)
+    packages = image_packages(config, checkout)  # also checks [image].extras
     settings = dict(
         name=image.name,
         base_image=image.base_image,
         python_version=image.python_version,
-        packages=image_packages(config, checkout),
+        packages=None if lock else packages,
+        requirements=str(lock) if lock else None,
+        pip_extra_args=LOCKED_INSTALL_ARGS if lock else None,
         apt_packages=list(image.apt_packages),
-        pip_extra_index_url=[image.torch_index_url] if image.torch_index_url else None,
         env=dict(IMAGE_ENV),
         platform=image.platform,
         copy=[STAGED_SOURCE_DIR] if from_checkout else None,
         commands=[
             UID_CHECK_COMMAND,
+            torch_install_command(image),
             *([f"uv pip install --no-deps /root/{STAGED_SOURCE_DIR}"] if from_checkout else []),
+            "uv pip check",
         ],
     )
     files = source_files(checkout) if (from_checkout and checkout is not None) else []
-    tag = image.tag or _content_tag(settings, files)
+    tag = image.tag or _content_tag({k: v for k, v in settings.items() if k != "requirements"}, files, lock)
     if not image.tag:
         _CONTENT_TAGGED.add(f"{image.registry}/{image.name}:{tag}")
+    _CONFIG_OF[f"{image.registry}/{image.name}:{tag}"] = config
     return ImageSpec(
         **settings,
         registry=image.registry,
@@ -211,8 +240,29 @@ def _prepared(spec: ImageSpec) -> Iterator[None]:
             os.chdir(previous)
 
 
-def render_docker_context(spec: ImageSpec, out_dir: os.PathLike | str) -> Path:
-    """Write the Dockerfile and build context flytekit would build, without Docker."""
+def check_locked(spec: ImageSpec, config: Optional[PlatformConfig] = None) -> None:
+    """Refuse to build an image that would not be the locked one: no lock, or a lock that does not cover [image]."""
+    if not spec.requirements or spec.packages:
+        raise ImageBuildError(
+            f"{spec.image_name()}: the image is built from the hash lock {LOCK_PATH} of the fuseforge source "
+            "checkout, and this fuseforge_flyte has none (installed from a wheel?): build from a git checkout")
+    if config is None:
+        from fuseforge_flyte.config import get_config
+
+        config = _CONFIG_OF.get(spec.image_name()) or get_config()
+    # In the lock like everything else: the extras' requirements, extra_packages, fuseforge when it is a pip requirement.
+    requirements = image_packages(config, find_checkout())
+    problems = stale_requirements(Path(spec.requirements).read_text(), requirements, config.image.torch,
+                                  config.image.python_version)
+    if problems:
+        raise ImageBuildError(f"{spec.requirements} no longer fits [image] ({config.source}): "
+                              f"{'; '.join(problems)}. Renew it with `{RENEW}` (needs PyPI) and commit it")
+
+
+def render_docker_context(spec: ImageSpec, out_dir: os.PathLike | str,
+                          config: Optional[PlatformConfig] = None) -> Path:
+    """Write the Dockerfile and build context flytekit would build, without Docker (the lock checked first)."""
+    check_locked(spec, config)
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     with _prepared(spec):
@@ -356,6 +406,7 @@ class FuseforgeImageBuilder(DefaultImageBuilder):
         return self.build(image_spec, push=push)
 
     def build(self, image_spec: ImageSpec, *, push: bool = True) -> Optional[str]:
+        check_locked(image_spec)
         try:
             check_docker(image_spec.image_name())
         except ImageBuildError as exc:

@@ -32,22 +32,14 @@ place (shared out over the ranks, and no file outside the manifest may be there,
 could pick it up by name); from an object store only the listed files are downloaded, into a
 private directory, and checked there, so what is loaded is what was checked.
 
-Keys: ``FUSEFORGE_CHECKPOINT_KEY`` (the secret itself) or ``FUSEFORGE_CHECKPOINT_KEY_FILE`` (a
-file holding it, e.g. a Kubernetes Secret mounted into the training pods); at least 16 bytes
-(``openssl rand -hex 32``). The rule:
-
-- with a key, every checkpoint must carry a valid HMAC made with that key; an unsigned one,
-  or one signed with another key or changed after signing, is refused with that reason;
-- without a key, a *local* checkpoint_dir is checked against the manifest's hashes only:
-  integrity (bit rot, truncation, partial copies), not authenticity, since whoever can write
-  the directory can rewrite the manifest too (a warning says so, once per process). A key
-  generated and stored next to the checkpoints would add nothing, so none is made up;
-- an *object store* (s3://, gs://, ...) without a key is refused when the run starts, before
-  anything is trained: buckets are commonly writable by more principals than the training pods.
-  So is a local checkpoint_dir when ``FUSEFORGE_CHECKPOINT_REQUIRE_KEY=1`` (set it when the
-  directory is a copy of remote data, e.g. a Flyte intra-task checkpoint restored from the bucket).
-  Local filesystems are not defended against a writer racing the resume (between the check and
-  the load); object stores are (the checked copy is private to the pod).
+Keys (fuseforge_flyte/training/checkpoint_signing.py): ``FUSEFORGE_CHECKPOINT_KEY`` or
+``FUSEFORGE_CHECKPOINT_KEY_FILE``, else a per-user key made once under the user's config directory (none
+inside a Kubernetes pod, nor with ``FUSEFORGE_CHECKPOINT_REQUIRE_KEY=1``). Every checkpoint is signed with
+it, and one that is unsigned, signed with another key or changed after signing is refused with that
+reason, on a local filesystem as on an object store, unless ``allow_unsigned_checkpoints`` is set: then
+it is loaded after an integrity check, with a warning logged before any of its bytes are. Local
+filesystems are not defended against a writer racing the resume (between the check and the load);
+object stores are (the checked copy is private to the pod).
 
 Compatibility. The trainer state records the model config (minus volatile keys) and the run
 settings that shape the trajectory (`run_settings`). Resuming with a different value stops the
@@ -56,9 +48,10 @@ run, naming each differing field, unless ``TrainSpec.resume_allow_changes`` list
 then applied to the restored optimizer and schedule). A checkpoint beyond ``steps`` is an error.
 
 Corrupt vs incompatible: a checkpoint that fails verification or loading is skipped with a
-warning naming the reason (marked SKIPPED once an older one loads) and the previous one is
-tried; if checkpoints exist and none loads, training stops instead of starting fresh over
-them. A verified checkpoint of another model, strategy or settings stops the run at once:
+warning naming the reason (marked SKIPPED, signed and bound to its manifest, once an older one
+loads; a later resume passes it over with a warning naming that reason, and ignores, with a warning,
+a mark that is not signed for its manifest) and the previous one is tried; if checkpoints exist and
+none loads, training stops instead of starting fresh over them. A verified checkpoint of another model, strategy or settings stops the run at once:
 falling back to an older one would silently throw progress away.
 
 Disk space: before a save on a local filesystem the free space is compared with the size of
@@ -72,7 +65,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import hmac
 import json
 import logging
 import os
@@ -90,6 +82,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from fuseforge_flyte.training.checkpoint_signing import Signing, SigningError
 from fuseforge_flyte.training.distributed import DistContext
 
 try:  # derives from BaseException: `except Exception` misses it (a damaged DCP checkpoint)
@@ -104,12 +97,6 @@ SKIPPED = "SKIPPED.json"
 STATE = "trainer_state.json"
 PROGRESS = "progress.json"
 FORMAT_VERSION = 2  # 1: sizes only, no hashes, no settings (refused: cannot be verified)
-KEY_ENV = "FUSEFORGE_CHECKPOINT_KEY"
-KEY_FILE_ENV = "FUSEFORGE_CHECKPOINT_KEY_FILE"
-# "1": a key is required for a local checkpoint_dir too (one that holds a copy of remote data, e.g. Flyte's
-# intra-task checkpoint directory restored from the bucket)
-REQUIRE_KEY_ENV = "FUSEFORGE_CHECKPOINT_REQUIRE_KEY"
-MIN_KEY_BYTES = 16
 _NAME = re.compile(r"^step_(\d{8})$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _TMP_PREFIX = ".tmp-"
@@ -149,7 +136,12 @@ class Entry:
     step: int
     name: str
     complete: bool
-    skipped: bool
+    marked: bool  # a SKIPPED.json is there; trusted only once its signature checks out (skip_reason)
+    skip_reason: Optional[str] = None  # why an earlier attempt passed it over, from a valid skip mark
+
+    @property
+    def skipped(self) -> bool:
+        return self.skip_reason is not None
 
 
 # ---------------------------------------------------------------- RNG states
@@ -176,41 +168,7 @@ def set_rng_state(state: Dict, device: torch.device) -> None:
     np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
 
 
-# ---------------------------------------------------------------- keys, hashes, manifests
-
-
-def load_key() -> Optional[bytes]:
-    """The HMAC key from FUSEFORGE_CHECKPOINT_KEY or FUSEFORGE_CHECKPOINT_KEY_FILE; None if neither is set."""
-    value, path = os.environ.get(KEY_ENV, ""), os.environ.get(KEY_FILE_ENV, "")
-    if value and path:
-        raise CheckpointError(f"both {KEY_ENV} and {KEY_FILE_ENV} are set: set one")
-    if path:
-        try:
-            with open(path, "rb") as handle:
-                key, source = handle.read().strip(), f"{KEY_FILE_ENV}={path}"
-        except OSError as err:
-            raise CheckpointError(f"{KEY_FILE_ENV}={path!r}: cannot read the checkpoint key ({err})") from None
-    elif value:
-        key, source = value.strip().encode(), KEY_ENV
-    else:
-        return None
-    if len(key) < MIN_KEY_BYTES:
-        raise CheckpointError(f"the checkpoint key from {source} has {len(key)} bytes; use at least {MIN_KEY_BYTES} "
-                              f"random bytes (e.g. `openssl rand -hex 32`)")
-    return key
-
-
-def _key_id(key: bytes) -> str:
-    """A short public name of the key, so that "signed with another key" can be told from "changed"."""
-    return hashlib.sha256(b"fuseforge-checkpoint-key-id\0" + key).hexdigest()[:12]
-
-
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
-
-
-def _mac(key: bytes, body: Dict) -> str:
-    return hmac.new(key, _canonical(body), hashlib.sha256).hexdigest()
+# ---------------------------------------------------------------- hashes, manifests
 
 
 def file_digest(path: str) -> Tuple[int, str]:
@@ -504,9 +462,6 @@ class _PhaseFailed(Exception):
         self.error = error
 
 
-_warned_unauthenticated = False
-
-
 # ---------------------------------------------------------------- manager
 
 
@@ -515,8 +470,9 @@ class CheckpointManager:
 
     def __init__(self, root: str, ctx: DistContext, strategy, *, keep_last: int, fingerprint: Dict[str, list],
                  model_config: Optional[Dict] = None, settings: Optional[Dict] = None, allow_changes: str = "",
-                 after_save: Optional[Callable[[str], None]] = None):
-        """after_save: called on rank 0 with the checkpoint directory once a save is complete (e.g. to upload it)."""
+                 allow_unsigned: bool = False, after_save: Optional[Callable[[str], None]] = None):
+        """allow_unsigned: TrainSpec.allow_unsigned_checkpoints (see checkpoint_signing.py).
+        after_save: called on rank 0 with the checkpoint directory once a save is complete (e.g. to upload it)."""
         self.store = Store(root)
         self.after_save = after_save
         self.ctx = ctx
@@ -526,16 +482,10 @@ class CheckpointManager:
         self.model_config = model_config_for_resume(model_config or {})
         self.settings = _jsonable(settings or {})
         self.allowed = parse_allowed_changes(allow_changes)
-        self.key = load_key()
-        required = os.environ.get(REQUIRE_KEY_ENV, "").strip().lower() in ("1", "true", "yes")
-        if self.key is None and (required or not self.store.local):
-            what = f"{REQUIRE_KEY_ENV} is set" if self.store.local else "it is an object store"
-            raise CheckpointError(
-                f"checkpoint_dir {root!r}: {what} and no checkpoint key is set: resuming loads files that are "
-                f"unpickled, so whoever can write the checkpoints could run code in the training pods. Set "
-                f"{KEY_ENV} (a secret of at least {MIN_KEY_BYTES} bytes, e.g. `openssl rand -hex 32`) or "
-                f"{KEY_FILE_ENV} (a file holding it, e.g. a mounted Kubernetes Secret) in the training "
-                f"environment, or use a local checkpoint_dir")
+        try:
+            self.signing = Signing(root, allow_unsigned=allow_unsigned, log_it=ctx.is_main)
+        except SigningError as err:
+            raise CheckpointError(str(err)) from None
         self._progress_written_at = 0.0
         self.steps_redone = 0
         self.last_saved_step: Optional[int] = None
@@ -648,10 +598,7 @@ class CheckpointManager:
     def _marker(self, step: int, files: Dict[str, Dict]) -> Dict:
         body: Dict[str, Any] = {"format": FORMAT_VERSION, "step": step, "strategy": self.strategy.name,
                                 "world_size": self.ctx.world_size, "time": time.time(), "files": files}
-        if self.key is None:
-            return body
-        body["key_id"] = _key_id(self.key)
-        return dict(body, hmac=_mac(self.key, body))
+        return self.signing.sign(body)
 
     def _commit_local(self, work: str, name: str, step: int, files: Dict[str, Dict]) -> None:
         with open(os.path.join(work, MARKER), "w", encoding="utf-8") as handle:
@@ -736,7 +683,7 @@ class CheckpointManager:
             raise CheckpointError(problem)
 
     def _prune(self) -> None:
-        entries = self.store.list()
+        entries = self._entries(log_it=False)
         good = [e for e in entries if e.complete and not e.skipped]
         for entry in good[: max(0, len(good) - self.keep_last)]:
             self.store.remove(entry.name)
@@ -756,29 +703,33 @@ class CheckpointManager:
         """
         entries = self.ctx.broadcast_object(self._scan() if self.ctx.is_main else None)
         complete = [e for e in entries if e.complete]
-        candidates = [e for e in reversed(complete) if not e.skipped]
-        failures: List[str] = []
-        for entry in candidates:
+        failures: List[Tuple[Entry, Any, str]] = []  # (checkpoint, its manifest if read, why it failed)
+        for entry in reversed(complete):
+            if entry.skipped:
+                if self.ctx.is_main:
+                    log.warning("skipping checkpoint %s: marked %s by an earlier attempt (%s)",
+                                self.store.path(entry.name), SKIPPED, entry.skip_reason)
+                continue
             verdict: _Verdict = self.ctx.broadcast_object(self._verify(entry) if self.ctx.is_main else None)
             if verdict.fatal:
                 raise CheckpointError(verdict.fatal)
             reason = verdict.reason or self._load(entry, verdict.marker, verdict.changed)
             if reason is None:
                 if self.ctx.is_main:
-                    for failed in failures:
-                        self._mark_skipped(failed)
+                    for failed, marker, why in failures:
+                        self._mark_skipped(failed, marker, why)
                     for note in verdict.notes:
                         log.warning("%s", note)
-                    self._warn_unauthenticated()
                     log.info("resumed from checkpoint %s", self.store.path(entry.name))
                 self._last_total = sum(e["size"] for e in verdict.marker["files"].values())
                 self.last_saved_step = entry.step
                 return verdict.state
             if self.ctx.is_main:
                 log.warning("skipping checkpoint %s: %s", self.store.path(entry.name), reason)
-            failures.append(f"{entry.name}: {reason}")
+            failures.append((entry, verdict.marker, reason))
         if complete:
-            detail = "; ".join(failures) or "all were marked SKIPPED by an earlier attempt"
+            detail = "; ".join(f"{e.name}: {why}" for e, _, why in failures) or \
+                "all were marked SKIPPED by an earlier attempt"
             raise CheckpointError(
                 f"checkpoint_dir {self.store.path('')!r} holds checkpoints but none can be loaded ({detail}); "
                 f"refusing to start fresh over them: fix or move them, or use another checkpoint_dir"
@@ -789,28 +740,40 @@ class CheckpointManager:
         """The global batch (sequences per step) of the newest complete checkpoint, or None; read before
         resuming so that a planned run keeps it on another world size. Only a hint: resume() verifies."""
 
-        def read() -> Optional[int]:
-            for entry in reversed([e for e in self.store.list() if e.complete and not e.skipped]):
+        def read() -> Optional[int]:  # only from a trainer state whose manifest verifies
+            for entry in reversed([e for e in self._entries(log_it=False) if e.complete and not e.skipped]):
+                _, state, reason = self._read_verified(entry, warn=False)
                 try:
-                    return int(json.loads(self.store.fs.cat_file(self.store.path(entry.name, STATE)))
-                               ["settings"]["global_batch"])
-                except (OSError, ValueError, KeyError, TypeError):
-                    continue
+                    if reason is None:
+                        return int(state["settings"]["global_batch"])
+                except (ValueError, KeyError, TypeError):
+                    pass
             return None
 
         return self.ctx.broadcast_object(read() if self.ctx.is_main else None)
 
-    def _warn_unauthenticated(self) -> None:
-        """Once per process: without a key a resume checks integrity, not who wrote the checkpoint."""
-        global _warned_unauthenticated
-        if self.key is None and not _warned_unauthenticated:
-            _warned_unauthenticated = True
-            log.warning("checkpoints in %s are checked against their sha256 manifest (integrity) but not "
-                        "authenticated: anyone who can write there can make a resume run code. Set %s or %s to "
-                        "sign and verify them", self.store.root, KEY_ENV, KEY_FILE_ENV)
+    def _entries(self, log_it: bool) -> List[Entry]:
+        """Rank 0: the store's checkpoints; a skip mark counts only when it is signed for its manifest."""
+        entries = self.store.list()
+        for entry in entries:
+            if entry.complete and entry.marked:
+                entry.skip_reason = self._trusted_skip_reason(entry, log_it)
+        return entries
+
+    def _trusted_skip_reason(self, entry: Entry, log_it: bool) -> Optional[str]:
+        try:
+            marker = json.loads(self.store.fs.cat_file(self.store.path(entry.name, MARKER)))
+            mark = json.loads(self.store.fs.cat_file(self.store.path(entry.name, SKIPPED)))
+        except (OSError, ValueError) as err:
+            reason, problem = None, f"it cannot be read ({type(err).__name__}: {err})"
+        else:
+            reason, problem = self.signing.skip_reason(entry.name, marker, mark)
+        if problem and log_it:
+            log.warning("ignoring %s in checkpoint %s: %s", SKIPPED, self.store.path(entry.name), problem)
+        return reason
 
     def _scan(self) -> List[Entry]:
-        entries = self.store.list()
+        entries = self._entries(log_it=True)
         if self.store.local and os.path.isdir(self.store.root):
             for name in os.listdir(self.store.root):
                 if name.startswith(_TMP_PREFIX):
@@ -823,26 +786,9 @@ class CheckpointManager:
 
     def _verify(self, entry: Entry) -> _Verdict:
         """Rank 0: authenticate the manifest, check the trainer state's hash, then its fit to this run."""
-        try:
-            marker = json.loads(self.store.fs.cat_file(self.store.path(entry.name, MARKER)))
-        except (OSError, ValueError) as err:
-            return _Verdict(reason=f"unreadable manifest {MARKER} ({type(err).__name__}: {err})")
-        reason = self._authenticate(marker, entry)
+        marker, state, reason = self._read_verified(entry, warn=True)
         if reason:
-            return _Verdict(reason=reason)
-        try:
-            data = self.store.fs.cat_file(self.store.path(entry.name, STATE))
-        except OSError as err:
-            return _Verdict(reason=f"file {STATE} is unreadable ({type(err).__name__}: {err})")
-        reason = _check_bytes(STATE, data, marker["files"][STATE])
-        if reason:
-            return _Verdict(reason=reason)
-        try:
-            state = json.loads(data)
-        except ValueError as err:
-            return _Verdict(reason=f"file {STATE} is not JSON ({err})")
-        if not isinstance(state, dict) or state.get("step") != entry.step or state.get("format") != FORMAT_VERSION:
-            return _Verdict(reason=f"{STATE} does not belong to step {entry.step} in format {FORMAT_VERSION}")
+            return _Verdict(reason=reason, marker=marker)
         fatal, changed = self._compatibility(state, self.store.path(entry.name))
         if fatal:
             return _Verdict(fatal=fatal)
@@ -852,27 +798,40 @@ class CheckpointManager:
                          f"{', '.join(line for _, line in changed)}")
         return _Verdict(state=state, marker=marker, changed=tuple(sorted({name for name, _ in changed})), notes=notes)
 
-    def _authenticate(self, marker: Any, entry: Entry) -> Optional[str]:
-        """Why the manifest cannot be trusted, or None (HMAC with a key; without one, only its shape)."""
+    def _read_verified(self, entry: Entry, warn: bool) -> Tuple[Any, Optional[Dict], Optional[str]]:
+        """(manifest, trainer state, None) once the manifest authenticates and the state matches its hash;
+        (manifest or None, None, why not) otherwise. `warn`: log the opt-in warning for an unsigned one."""
+        try:
+            marker = json.loads(self.store.fs.cat_file(self.store.path(entry.name, MARKER)))
+        except (OSError, ValueError) as err:
+            return None, None, f"unreadable manifest {MARKER} ({type(err).__name__}: {err})"
+        reason = self._authenticate(marker, entry, warn)
+        if reason:
+            return marker, None, reason
+        try:
+            data = self.store.fs.cat_file(self.store.path(entry.name, STATE))
+        except OSError as err:
+            return marker, None, f"file {STATE} is unreadable ({type(err).__name__}: {err})"
+        reason = _check_bytes(STATE, data, marker["files"][STATE])
+        if reason:
+            return marker, None, reason
+        try:
+            state = json.loads(data)
+        except ValueError as err:
+            return marker, None, f"file {STATE} is not JSON ({err})"
+        if not isinstance(state, dict) or state.get("step") != entry.step or state.get("format") != FORMAT_VERSION:
+            return marker, None, f"{STATE} does not belong to step {entry.step} in format {FORMAT_VERSION}"
+        return marker, state, None
+
+    def _authenticate(self, marker: Any, entry: Entry, warn: bool = True) -> Optional[str]:
+        """Why the manifest cannot be trusted, or None: its signature (checkpoint_signing.Signing), then its shape."""
         if not isinstance(marker, dict) or marker.get("format") != FORMAT_VERSION:
             version = marker.get("format", 1) if isinstance(marker, dict) else None
             return (f"manifest format {version!r}, this code reads {FORMAT_VERSION} (written by an older fuseforge "
                     f"without content hashes: it cannot be verified)")
-        if self.key is not None:
-            mac = marker.get("hmac")
-            if not isinstance(mac, str) or not mac:
-                return (f"not signed: it was written without a checkpoint key and this run has one ({KEY_ENV}/"
-                        f"{KEY_FILE_ENV}), so it cannot be authenticated")
-            if marker.get("key_id") != _key_id(self.key):
-                return (f"signed with another key (key id {marker.get('key_id')!r}; this run's key has id "
-                        f"{_key_id(self.key)!r})")
-            body = {k: v for k, v in marker.items() if k != "hmac"}
-            try:
-                expected = _mac(self.key, body)
-            except ValueError as err:
-                return f"the manifest cannot be canonicalised ({err})"
-            if not hmac.compare_digest(mac.encode("utf-8", "replace"), expected.encode()):
-                return "the manifest's signature does not match: it was changed after it was written"
+        reason = self.signing.refusal(marker, self.store.path(entry.name), warn=warn)
+        if reason:
+            return reason
         if marker.get("step") != entry.step:
             return f"the manifest is for step {marker.get('step')!r}, not {entry.step}"
         return _manifest_shape_problem(marker)
@@ -995,12 +954,16 @@ class CheckpointManager:
             group["lr"] = base * fn(scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
-    def _mark_skipped(self, failure: str) -> None:
-        name, reason = failure.split(": ", 1)
+    def _mark_skipped(self, entry: Entry, marker: Any, reason: str) -> None:
+        """Record, signed and bound to its manifest, that `entry` failed and an older checkpoint was used, so that
+        later resumes pass it over without checking it again (none without a key or a readable manifest)."""
+        mark = self.signing.skip_mark(entry.name, marker, reason)
+        if mark is None:
+            return
         try:
-            self.store.write_json({"reason": reason, "time": time.time()}, name, SKIPPED)
+            self.store.write_json(mark, entry.name, SKIPPED)
         except OSError as err:
-            log.warning("could not mark %s as skipped: %s", name, err)
+            log.warning("could not mark %s as skipped: %s", entry.name, err)
 
     # ------------------------------------------------------------ progress
 

@@ -158,6 +158,7 @@ class _Run:
             self.ckpt = CheckpointManager(spec.checkpoint_location, ctx, self.strategy, keep_last=spec.keep_last,
                                           fingerprint=fingerprint, model_config=model.config.to_dict(),
                                           settings=settings, allow_changes=spec.resume_allow_changes,
+                                          allow_unsigned=spec.allow_unsigned_checkpoints,
                                           after_save=after_checkpoint)
         self.plan = self._plan()
 

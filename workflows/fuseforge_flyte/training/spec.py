@@ -82,6 +82,10 @@ class TrainSpec:
     resume_allow_changes: str = _setting("", "comma-separated settings a resume may find changed since the "
                                          "checkpoint (e.g. lr,steps to continue on a new schedule); any other "
                                          "difference stops the run")
+    allow_unsigned_checkpoints: bool = _setting(False, "resume from checkpoints that are not signed with this "
+                                                "run's checkpoint key (unsigned, or another key's) after an "
+                                                "integrity check only, with a warning: whoever could write them "
+                                                "can run code in the run. Off: they are refused")
     nonfinite_policy: str = _setting("raise", "on a non-finite loss: raise (stop) or skip (drop the step on every "
                                      "rank)")
     log_every: int = _setting(1, "steps between progress lines")
