@@ -1,0 +1,22 @@
+"""Task pods' fsspec/s3fs readers use the object store flytekit is configured for."""
+
+from fuseforge_flyte.object_store import share_flyte_s3_settings
+
+
+def test_flytekit_settings_reach_botocore():
+    environ = {"FLYTE_AWS_ENDPOINT": "http://store:9000", "FLYTE_AWS_ACCESS_KEY_ID": "id",
+               "FLYTE_AWS_SECRET_ACCESS_KEY": "secret"}
+    share_flyte_s3_settings(environ)
+    assert environ["AWS_ENDPOINT_URL_S3"] == "http://store:9000"
+    assert (environ["AWS_ACCESS_KEY_ID"], environ["AWS_SECRET_ACCESS_KEY"]) == ("id", "secret")
+
+
+def test_botocores_own_settings_win_and_nothing_is_invented():
+    environ = {"FLYTE_AWS_ENDPOINT": "http://store:9000", "AWS_ENDPOINT_URL_S3": "http://other:9000",
+               "AWS_ACCESS_KEY_ID": "mine"}
+    share_flyte_s3_settings(environ)
+    assert environ == {"FLYTE_AWS_ENDPOINT": "http://store:9000", "AWS_ENDPOINT_URL_S3": "http://other:9000",
+                       "AWS_ACCESS_KEY_ID": "mine"}
+    empty = {}
+    share_flyte_s3_settings(empty)
+    assert empty == {}
