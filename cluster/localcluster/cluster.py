@@ -472,7 +472,7 @@ def main(argv: list[str]) -> int:
                 print(f"no log for {argv[1]} at {path}", file=sys.stderr)
                 return 1
             sys.stdout.write(path.read_text(errors="replace"))
-    except (health.ComponentFailed, RuntimeError) as exc:
+    except (health.ComponentFailed, RuntimeError, ValueError) as exc:
         log(str(exc))
         return 1
     return 0

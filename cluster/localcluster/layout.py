@@ -45,12 +45,21 @@ def cache_dir() -> Path:
     return Path(base)
 
 
+# Where cluster state lives by default (and the tests' clusters): a folder every user can enter.
+STATE_PARENT = "/var/tmp"
+
+
 def state_dir() -> Path:
     """Everything of one running cluster (data, certificates, logs, pids); removed by `down`.
 
     Outside the checkout (pyflyte packages the checkout for registration) and outside root's home:
-    PostgreSQL and pods run as other users and must reach it."""
-    return Path(os.environ.get("FUSEFORGE_CLUSTER_DIR") or f"/tmp/fuseforge-cluster-{os.getuid()}")
+    PostgreSQL and pods run as other users and must reach it. Outside /tmp too: pods with a read-only
+    root mount an emptyDir there (the chart's Flyte pod), which would hide the programs under it."""
+    folder = Path(os.environ.get("FUSEFORGE_CLUSTER_DIR") or f"{STATE_PARENT}/fuseforge-cluster-{os.getuid()}")
+    if folder.resolve().is_relative_to("/tmp"):
+        raise ValueError(f"FUSEFORGE_CLUSTER_DIR={folder}: the cluster's state must be outside /tmp (pods mount "
+                         f"their own /tmp over it); use a folder under {STATE_PARENT}")
+    return folder
 
 
 def log_path(component: str) -> Path:

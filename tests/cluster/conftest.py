@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT / "cluster"))
 from localcluster import cluster as local  # noqa: E402
 from localcluster import health  # noqa: E402
 from localcluster.kubectl import kubectl  # noqa: E402
-from localcluster.layout import state_dir  # noqa: E402
+from localcluster.layout import STATE_PARENT, state_dir  # noqa: E402
 
 
 # FUSEFORGE_TEST_CLUSTER=running: use the cluster `scripts/cluster.sh up` (and `install`) started, and leave it
@@ -38,7 +38,7 @@ def control_plane():
         yield local
         return
     # Not under pytest's tmp dir (mode 0700): PostgreSQL and pods run as other users and must reach it.
-    folder = Path(tempfile.mkdtemp(prefix="fuseforge-cluster-"))
+    folder = Path(tempfile.mkdtemp(prefix="fuseforge-cluster-", dir=STATE_PARENT))
     folder.chmod(0o755)
     os.environ["FUSEFORGE_CLUSTER_DIR"] = str(folder)
     try:
