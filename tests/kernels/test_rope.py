@@ -193,19 +193,34 @@ def test_gradcheck_float64(device):
     assert torch.autograd.gradcheck(lambda q, k: rope(q, k, cos, sin), (q, k), fast_mode=True)
 
 
-def test_broadcast_gradients_and_no_cos_sin_gradient(device):
-    """.sum() hands backward stride-0 gradients; cos/sin never receive a gradient."""
-    q, k = make_qk(1, 3, 2, 1, 64, torch.float32, device)
+@pytest.mark.parametrize("layout", ["rotate_half", "interleaved", "interleaved_to_half"])
+@pytest.mark.parametrize("unsqueeze_dim", [1, 2])
+def test_broadcast_gradients_and_cos_sin_gradients(device, layout, unsqueeze_dim):
+    """.sum() hands backward stride-0 gradients; cos/sin that require a gradient get torch's, summed over heads
+    and the broadcast batch, in their own dtype (partial rotary: 48 of 64 dims)."""
+    q, k = make_qk(2, 3, 2, 1, 64, torch.float32, device, layout="bthd" if unsqueeze_dim == 2 else "hf")
     cos, sin = make_cos_sin(1, 3, 48, torch.float32, device)
     cos.requires_grad_()
-    q_out, k_out = rope(q, k, cos, sin)
-    (q_out.sum() + k_out.sum()).backward()
-    assert cos.grad is None
+    sin = sin.double().requires_grad_()
+    weight = torch.randn(q.shape, device=device)
+    q_out, k_out = rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, layout=layout)
+    ((q_out * weight).sum() + k_out.sum()).backward()
     q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
-    q_ref, k_ref = rope_reference(q64, k64, cos.detach(), sin)
-    (q_ref.sum() + k_ref.sum()).backward()
+    cos64, sin64 = cos.detach().double().requires_grad_(), sin.detach().clone().requires_grad_()
+    q_ref, k_ref = rope_reference(q64, k64, cos64, sin64, unsqueeze_dim, layout)
+    ((q_ref * weight.double()).sum() + k_ref.sum()).backward()
     assert_close(q.grad, q64.grad, torch.float32)
     assert_close(k.grad, k64.grad, torch.float32)
+    assert cos.grad is not None and cos.grad.dtype == torch.float32 and sin.grad.dtype == torch.float64
+    assert_close(cos.grad, cos64.grad, torch.float32)
+    assert_close(sin.grad, sin64.grad, torch.float32)
+
+
+def test_cos_sin_without_grad_keep_only_the_fused_backward(device):
+    q, k = make_qk(1, 3, 2, 1, 64, torch.float32, device)
+    cos, sin = make_cos_sin(1, 3, 64, torch.float32, device)
+    q_out, _ = rope(q, k, cos, sin)
+    assert len(q_out.grad_fn.saved_tensors) == 2  # cos and sin only: q/k are not kept
 
 
 def test_empty_sequence(device):

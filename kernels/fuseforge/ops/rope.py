@@ -30,7 +30,9 @@ and k there, so cos/sin are read once per position. q/k are read through
 their strides (HF hands over `view(...).transpose(1, 2)` views), so nothing is
 copied. The op is linear in q/k: backward applies the transposed map to the
 gradients (for HF's cos/sin, whose halves are equal, that is the inverse
-rotation); only cos/sin are kept for it, and they get no gradient.
+rotation); only cos/sin are kept for it. When cos/sin require a gradient (a
+learned position table), q and k are kept too and cos/sin's gradients come
+from the same map written in PyTorch ops (`_rope_torch`): rare, so not fused.
 """
 
 from __future__ import annotations
@@ -309,19 +311,64 @@ def _rope_backward(grad_q_out, grad_k_out, cos, sin, heads_dim, layout):
     return grad_q, grad_k
 
 
+def _rope_torch(q, k, cos, sin, heads_dim, layout):
+    """The kernel's map in PyTorch ops (in fp32, fp64 for fp64 inputs), differentiable in cos/sin."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    rotary, half = cos.shape[-1], cos.shape[-1] // 2
+    cos, sin = cos.to(compute).unsqueeze(heads_dim), sin.to(compute).unsqueeze(heads_dim)
+    if layout == "interleaved":
+        cos, sin = cos[..., :half].repeat_interleave(2, dim=-1), sin[..., :half].repeat_interleave(2, dim=-1)
+    elif layout == "interleaved_to_half":
+        cos, sin = torch.cat((cos[..., :half],) * 2, dim=-1), torch.cat((sin[..., :half],) * 2, dim=-1)
+
+    def apply(x):
+        rot, passed = x.to(compute)[..., :rotary], x.to(compute)[..., rotary:]
+        if layout == "interleaved_to_half":
+            rot = torch.cat((rot[..., 0::2], rot[..., 1::2]), dim=-1)
+        if layout == "interleaved":
+            turned = torch.stack((-rot[..., 1::2], rot[..., 0::2]), dim=-1).flatten(-2)
+        else:
+            turned = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        return torch.cat((rot * cos + turned * sin, passed), dim=-1)
+
+    return apply(q), apply(k)
+
+
+def _cos_sin_gradients(q, k, cos, sin, grad_q_out, grad_k_out, heads_dim, layout):
+    """d(loss)/d(cos), d(loss)/d(sin) in cos/sin's dtype (summed over heads and a broadcast batch)."""
+    with torch.enable_grad():
+        c, s = cos.detach().requires_grad_(), sin.detach().requires_grad_()
+        q_out, k_out = _rope_torch(q.detach(), k.detach(), c, s, heads_dim, layout)
+        return torch.autograd.grad((q_out, k_out), (c, s), (grad_q_out.to(q_out.dtype), grad_k_out.to(k_out.dtype)))
+
+
+def _save(ctx, q, k, cos, sin) -> None:
+    """cos/sin for the backward kernel; q/k as well only when cos/sin need their own gradients."""
+    ctx.cos_sin_grad = cos.requires_grad or sin.requires_grad
+    ctx.save_for_backward(cos, sin, *((q, k) if ctx.cos_sin_grad else ()))
+
+
+def _cos_sin_grad_outputs(ctx, grad_q_out, grad_k_out):
+    if not ctx.cos_sin_grad:
+        return None, None
+    cos, sin, q, k = ctx.saved_tensors
+    return _cos_sin_gradients(q, k, cos, sin, grad_q_out, grad_k_out, ctx.heads_dim, ctx.layout)
+
+
 class _RoPEFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin, heads_dim, layout):
-        ctx.save_for_backward(cos, sin)
+        _save(ctx, q, k, cos, sin)
         ctx.heads_dim, ctx.layout = heads_dim, layout
         return _rope_forward(q, k, cos, sin, heads_dim, layout)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_q_out, grad_k_out):
-        cos, sin = ctx.saved_tensors
+        cos, sin = ctx.saved_tensors[:2]
         grad_q, grad_k = _rope_backward(grad_q_out, grad_k_out, cos, sin, ctx.heads_dim, ctx.layout)
-        return grad_q, grad_k, None, None, None, None
+        grad_cos, grad_sin = _cos_sin_grad_outputs(ctx, grad_q_out, grad_k_out)
+        return grad_q, grad_k, grad_cos, grad_sin, None, None
 
 
 # --- torch.compile: the same launches as custom ops (ops/_shared/compiled.py says why) ---------------
@@ -354,13 +401,14 @@ def _(grad_q_out, grad_k_out, cos, sin, heads_dim, layout):
 
 def _rope_setup(ctx, inputs, output):
     q, k, cos, sin, ctx.heads_dim, ctx.layout = inputs
-    ctx.save_for_backward(cos, sin)
+    _save(ctx, q, k, cos, sin)
 
 
 def _rope_op_backward(ctx, grad_q_out, grad_k_out):
-    cos, sin = ctx.saved_tensors
+    cos, sin = ctx.saved_tensors[:2]
     grad_q, grad_k = _rope_backward_op(grad_q_out, grad_k_out, cos, sin, ctx.heads_dim, ctx.layout)
-    return grad_q, grad_k, None, None, None, None
+    grad_cos, grad_sin = _cos_sin_grad_outputs(ctx, grad_q_out, grad_k_out)
+    return grad_q, grad_k, grad_cos, grad_sin, None, None
 
 
 _rope_op.register_autograd(_rope_op_backward, setup_context=_rope_setup)
@@ -427,7 +475,8 @@ def rope(
     q: [B, Hq, T, D] and k: [B, Hk, T, D] (Hk divides Hq), or [B, T, H, D] with unsqueeze_dim=2;
     any strides. cos/sin: [1 or B, T, Dr] with Dr even and <= D; only the first Dr dims of each
     head rotate. Returns new tensors in q/k's dtype and memory layout; computes in fp32 (fp64 for
-    fp64 inputs). cos/sin may have another float dtype than q/k and receive no gradient.
+    fp64 inputs). cos/sin may have another float dtype than q/k; when they require a gradient
+    they get it (computed in PyTorch ops, unfused: HF's cos/sin come from a buffer and need none).
 
     layout="rotate_half" (default): Llama's convention, pairs (x[i], x[i + Dr/2]).
     layout="interleaved": GLM-4's convention, pairs (x[2i], x[2i+1]) rotated by cos[..., i] and
