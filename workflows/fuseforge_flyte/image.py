@@ -9,7 +9,8 @@ fuseforge itself: this source checkout (staged without caches, `uv pip install -
 `--extra-index-url`, no `UV_INDEX_STRATEGY`, at build or run time. A lock that no longer covers [image]
 (an added extra_packages entry, another torch) stops the build, naming `python images/lock.py`.
 Builds go through flytekit's Docker builder, wrapped (builder "fuseforge") so that they work from any
-directory and fail with a clear message when Docker is missing.
+directory; without a Docker daemon they go through buildah (fuseforge_flyte.buildah), and they fail with
+a clear message when neither can build.
 
 Registration (`pyflyte run --remote`, `pyflyte register`) checks that the image is in the registry
 before anything refers to it: flytekit alone, without Docker, only prints "Flytekit assumes the image
@@ -272,7 +273,7 @@ def render_docker_context(spec: ImageSpec, out_dir: os.PathLike | str,
 
 def _fixes(image_name: str) -> str:
     return (
-        "Build and push it with `python images/build.py` (needs Docker), or build images/Dockerfile with any "
+        "Build and push it with `python images/build.py` (needs Docker or buildah), or build images/Dockerfile with any "
         f"BuildKit builder (`docker build -f images/Dockerfile -t {image_name} .`), push it, and set [image].tag "
         "to the tag you pushed"
     )
@@ -281,8 +282,9 @@ def _fixes(image_name: str) -> str:
 def check_docker(image_name: str) -> None:
     """Fail early, and clearly, when there is no Docker to build with."""
     advice = (
-        f"building {image_name} needs Docker with BuildKit (the `docker` command and a running daemon). "
-        "Install/start Docker, or build images/Dockerfile with another builder, push it, and set [image].tag "
+        f"building {image_name} needs Docker with BuildKit (the `docker` command and a running daemon) "
+        "or, where no Docker daemon answers, buildah as root. "
+        "Install/start Docker, install buildah, or build images/Dockerfile with another builder, push it, and set [image].tag "
         "to the tag you pushed (see `python images/build.py --help`)"
     )
     if shutil.which("docker") is None:
@@ -370,7 +372,8 @@ def registration_command() -> Optional[str]:
 
 
 class FuseforgeImageBuilder(DefaultImageBuilder):
-    """flytekit's Docker builder, run from the staged sources; says clearly when Docker is missing, and
+    """flytekit's Docker builder, run from the staged sources (buildah where no Docker daemon answers); says
+    clearly when neither can build, and
     at registration refuses an image the registry does not have (or, for a content-hash tag, cannot show)."""
 
     builder_type = BUILDER_NAME
@@ -383,9 +386,11 @@ class FuseforgeImageBuilder(DefaultImageBuilder):
             # Trusted as pushed; flytekit's own check would ask Docker Hub about any registry without Docker.
             return bool(image_spec._is_force_push)
         name = image_spec.image_name()
-        exists = image_spec.exist()  # Docker (with your credentials) when there is one
+        # The registry itself first: without a Docker daemon flytekit's exist() asks Docker Hub about any
+        # registry that is not "localhost:..." (127.0.0.1:5000 included). Docker (with your credentials) next.
+        exists = registry_has_image(name)
         if exists is None:
-            exists = registry_has_image(name)
+            exists = image_spec.exist()
         if exists:
             return bool(image_spec._is_force_push)  # FLYTE_FORCE_PUSH_IMAGE_SPEC rebuilds it anyway
         if exists is False:
@@ -409,13 +414,21 @@ class FuseforgeImageBuilder(DefaultImageBuilder):
         check_locked(image_spec)
         try:
             check_docker(image_spec.image_name())
-        except ImageBuildError as exc:
-            if image_spec.image_name() in _CONTENT_TAGGED:  # say why a new tag appeared at all
-                raise ImageBuildError(
-                    f"{exc} The tag is a hash of your sources and image settings, so every local edit asks for a new "
-                    "image."
-                ) from None
-            raise
+            daemonless = False
+        except ImageBuildError as docker_missing:
+            from fuseforge_flyte.buildah import buildah_problem
+
+            problem = buildah_problem()
+            if problem is not None:
+                message = f"{str(docker_missing).rstrip('.')}; nor can buildah build: {problem}."
+                if image_spec.image_name() in _CONTENT_TAGGED:  # say why a new tag appeared at all
+                    message += " The tag is a hash of your sources and image settings, so every local edit asks for a new image."
+                raise ImageBuildError(message) from None
+            daemonless = True
+        if daemonless:  # no Docker daemon: buildah builds the same spec
+            from fuseforge_flyte.buildah import BuildahImageBuilder
+
+            return BuildahImageBuilder().build(image_spec, push=push)
         with _prepared(image_spec), warnings.catch_warnings():
             # tag_format is used by ImageSpec itself, not the builder; flytekit warns about it regardless.
             warnings.filterwarnings("ignore", message="The following parameters are unsupported")
@@ -424,3 +437,5 @@ class FuseforgeImageBuilder(DefaultImageBuilder):
 
 
 ImageBuildEngine.register(BUILDER_NAME, FuseforgeImageBuilder(), priority=0)
+# The daemonless builder registers itself with flytekit too (as "fuseforge-buildah"); it imports this module.
+import fuseforge_flyte.buildah  # noqa: E402,F401
