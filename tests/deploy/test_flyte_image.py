@@ -404,6 +404,8 @@ def spec_for(tmp_path, registry_host: str, tag: str = ""):
 def registering(monkeypatch, tmp_path):
     """As under `pyflyte run --remote`, on a machine without Docker."""
     monkeypatch.setattr(image_mod, "registration_command", lambda: "pyflyte run --remote")
+    # training_image() records the registration it sees; a fresh record keeps it from later tests.
+    monkeypatch.setattr(image_mod, "_SEEN_REGISTRATION", [])
     monkeypatch.setenv("PATH", str(tmp_path))  # no docker
     monkeypatch.delenv(IMAGE_CHECK_ENV, raising=False)
 

@@ -284,6 +284,7 @@ def probe_spec(config, index) -> ImageSpec:
 def registering(monkeypatch, tmp_path):
     """As in `pyflyte run --remote` on this machine: no Docker daemon; the registry asked, never Docker Hub."""
     monkeypatch.setattr(image_mod, "registration_command", lambda: "pyflyte run --remote")
+    monkeypatch.setattr(image_mod, "_SEEN_REGISTRATION", [])  # what training_image() records stays here
     monkeypatch.setattr(image_mod, "check_locked", lambda spec, config=None: None)  # the probe lock stands in
     monkeypatch.setattr(ImageSpec, "exist", lambda self: pytest.fail("asked Docker / Docker Hub, not the registry"))
     monkeypatch.delenv(image_mod.IMAGE_CHECK_ENV, raising=False)
