@@ -143,6 +143,24 @@ def test_base_image_name_and_python_must_fit_debian():
     check_name(BASE, PYTHON, "bookworm")
 
 
+def test_build_base_cli_says_which_base_image_name_to_set(capsys, monkeypatch):
+    monkeypatch.setenv("FUSEFORGE_CONFIG", "")
+    from fuseforge_flyte.cli import main
+
+    assert main(["--config", str(REPO / "platform.toml"), "build-base"]) == 1
+    err = capsys.readouterr().err
+    assert "[image].base_image = 'nvidia/cuda:" in err and 'set [image].base_image = "localhost/fuseforge-base:bookworm"' in err
+
+
+def test_a_failing_buildah_command_is_named_with_its_last_error_line(tmp_path, monkeypatch):
+    executable(tmp_path, "buildah", "echo 'STEP 1/2: FROM x'\necho 'Error: pushing: http: server gave HTTP response' >&2\necho >&2\nexit 125\n")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(ImageBuildError) as info:
+        buildah_mod.buildah("push", "a", "docker://a")
+    assert str(info.value) == ("`buildah --storage-driver vfs push a docker://a` failed (exit 125): "
+                               "Error: pushing: http: server gave HTTP response")
+
+
 # ----------------------------------------------------------------------------- which builder builds
 
 

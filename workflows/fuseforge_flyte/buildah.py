@@ -46,16 +46,23 @@ def buildah_problem() -> Optional[str]:
 
 
 def buildah(*args: str, quiet: bool = False) -> str:
-    """Run buildah on vfs storage; its output streams unless quiet (then it is returned). Fails naming
+    """Run buildah on vfs storage; its output streams unless quiet (then stdout is returned). Fails naming
     the command and buildah's last error line."""
     command = ["buildah", *STORAGE_FLAGS, *args]
-    proc = subprocess.run(command, text=True, stdout=subprocess.PIPE if quiet else None, stderr=subprocess.PIPE)
-    if not quiet and proc.stderr:
-        sys.stderr.write(proc.stderr)
+    if quiet:
+        proc = subprocess.run(command, capture_output=True, text=True)
+        stdout, errors = proc.stdout, proc.stderr.splitlines()
+    else:
+        with subprocess.Popen(command, stderr=subprocess.PIPE, text=True) as proc:
+            errors = []
+            for line in proc.stderr:  # passed through as it comes (a RUN step's output), the last kept
+                sys.stderr.write(line)
+                errors = [line] if line.strip() else errors
+        stdout = ""
     if proc.returncode != 0:
-        last = proc.stderr.strip().splitlines()[-1:] or ["no error output"]
+        last = [line.strip() for line in errors if line.strip()][-1:] or ["no error output"]
         raise ImageBuildError(f"`{shlex.join(command)}` failed (exit {proc.returncode}): {last[0]}")
-    return proc.stdout or ""
+    return stdout
 
 
 def has_local_image(name: str) -> bool:
