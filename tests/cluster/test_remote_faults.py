@@ -86,8 +86,9 @@ def test_an_error_no_restart_can_fix_fails_the_execution_once(started):
 
 
 def test_flyte_killed_mid_run_and_the_execution_still_completes(started):
-    name = started[1]["one_pod"]
-    training_pod(name)
+    folder = started[0]
+    name = run_remote(folder, WORKFLOWS, "train", "--steps", "12", "--batch_size", "2", "--dtype", "fp32")
+    training_pod(name, timeout=900)
     before = _flyte_pod()["status"]["containerStatuses"][0]["restartCount"]
     os.kill(_flyte_process(), signal.SIGKILL)
     deadline = time.monotonic() + 180

@@ -69,7 +69,8 @@ def test_own_jsonl_is_uploaded_trained_on_and_its_preparation_cached(runs):
     folder, _ = runs
     first = finished(runs, "own")
     # The input is the copy `--remote` uploaded to the bucket (the local file was moved away since).
-    assert 'uri: "s3://fuseforge-flyte/' in str(first.inputs.literals["dataset"]), first.inputs.literals["dataset"]
+    literal = str(first.inputs.literals["dataset"].to_flyte_idl())
+    assert 'uri: "s3://fuseforge-flyte/' in literal, literal
     assert first.outputs["metrics"].steps == 2
     prepared = task_node(first, "prepare_data").closure.task_node_metadata
     assert prepared.cache_status in (CatalogCacheStatus.CACHE_POPULATED, CatalogCacheStatus.CACHE_MISS)
@@ -98,7 +99,7 @@ def test_own_jsonl_is_uploaded_trained_on_and_its_preparation_cached(runs):
 def test_bad_data_fails_in_preparation_naming_the_row_and_no_training_pod_starts(runs):
     execution = finished(runs, "bad", phase=FAILED)
     error = execution_error(execution)
-    assert "row 12" in error and "content" in error, error[-2000:]
+    assert "example 12 of" in error and "bad.jsonl" in error and "'content'" in error, error[-2000:]
     node = task_node(execution, "prepare_data")
     assert node.closure.phase == 4  # NodeExecution.Phase FAILED
     pods = audited_creations("pods", runs[1]["bad"])
