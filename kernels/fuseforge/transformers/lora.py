@@ -139,8 +139,9 @@ def peft_notes(model: nn.Module) -> list[str]:
     notes = [f"PEFT: LoRA adapter(s) {', '.join(adapters) or '(none)'} on {len(layers)} modules; "
              f"{trainable:,} of {total:,} parameters trainable{also}; frozen weights get no gradient buffers "
              "(the fused loss's lm_head included)"]
-    mixed = sorted({f"{m.lora_A[a].weight.dtype} adapters over {m.base_layer.weight.dtype} weights"
-                    for _, m in layers for a in m.lora_A if m.lora_A[a].weight.dtype != m.base_layer.weight.dtype})
+    mixed = sorted({f"{m.lora_A[a].weight.dtype} adapters over {base.dtype} weights"
+                    for _, m in layers if (base := getattr(m.get_base_layer(), "weight", None)) is not None
+                    for a in m.lora_A if m.lora_A[a].weight.dtype != base.dtype})
     if mixed:
         notes.append(f"PEFT: {', '.join(mixed)}: those layers keep peft's forward (it casts to the adapter dtype); "
                      "get_peft_model(..., autocast_adapter_dtype=False) keeps adapters in the model's dtype")
