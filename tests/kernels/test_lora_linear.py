@@ -157,8 +157,10 @@ def test_nf4_base_weight_matches_peft_over_the_dequantized_weight(dtype):
 
 def test_nf4_refuses_sizes_its_blocks_do_not_divide():
     pytest.importorskip("torchao")
-    with pytest.raises(ValueError, match=r"base_model.model.0.base_layer.weight \(40, 48\)"):
-        quantize_base_nf4(lora_module())
+    with pytest.raises(ValueError, match=r"base_model.model.0.base_layer.weight \(41, 48\)"):
+        quantize_base_nf4(lora_module(out_features=41))
+    small = lora_module()  # 30 blocks of 64: scalers double-quantized in pairs
+    assert quantize_base_nf4(small) == ["base_model.model.0.base_layer"]
 
 
 def test_lora_linear_checks_its_shapes():

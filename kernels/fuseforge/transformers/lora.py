@@ -24,6 +24,7 @@ their own module class (peft's `lora.bnb.Linear4bit`), which the fused LoRA path
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -187,10 +188,11 @@ def quantize_base_nf4(model: nn.Module, *, skip: tuple[str, ...] = ("lm_head",),
         if type(module) is not nn.Linear or leaf in skip or _under_adapter(name) or _is_nf4(module.weight):
             continue
         weight = module.weight.detach()
-        if weight.numel() % (block_size * scaler_block_size):
+        if weight.numel() % block_size:
             raise ValueError(f"quantize_base_nf4: {name}.weight {tuple(weight.shape)} has {weight.numel()} elements, "
-                             f"not a multiple of block_size * scaler_block_size = {block_size * scaler_block_size}")
-        module.weight = nn.Parameter(to_nf4(weight.contiguous(), block_size, scaler_block_size), requires_grad=False)
+                             f"not a multiple of block_size={block_size}")
+        scalers = math.gcd(weight.numel() // block_size, scaler_block_size)
+        module.weight = nn.Parameter(to_nf4(weight.contiguous(), block_size, scalers), requires_grad=False)
         done.append(name)
     return done
 

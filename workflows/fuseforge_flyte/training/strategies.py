@@ -337,6 +337,7 @@ class FSDPStrategy(_TorchOptimized):
         dcp.load(state, checkpoint_id=os.path.join(directory, "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=self._state_options())
+        self.scheduler.load_state_dict(_weights_only_load(os.path.join(directory, "scheduler.pt"), "cpu"))
 
     def _state_options(self, **kwargs):
         """torch's state-dict options; LoRA: frozen parameters left out (and not expected back on load)."""
@@ -345,7 +346,6 @@ class FSDPStrategy(_TorchOptimized):
         if self.trained_only:
             kwargs.update(ignore_frozen_params=True, strict=False)
         return StateDictOptions(**kwargs)
-        self.scheduler.load_state_dict(_weights_only_load(os.path.join(directory, "scheduler.pt"), "cpu"))
 
     def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
         """The fp32 shards all-gathered one tensor at a time and moved to rank 0's CPU (the others get nothing).
