@@ -72,6 +72,7 @@ def base_source(name: str) -> str:
 
 
 def lora_on(spec) -> bool:
+    """LoRA for this run's settings (a TrainSpec, or the dpo workflow's DPOSettings)."""
     return bool(spec.lora or spec.qlora or adapter_dir(spec.model))
 
 
@@ -93,10 +94,17 @@ def _linear_names(config) -> List[str]:
     return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m) is torch.nn.Linear and m is not head})
 
 
-def check(spec) -> None:
-    """LoRA settings, before any worker starts: ValueError naming the TrainSpec field."""
+def check(spec, where: str = "TrainSpec") -> None:
+    """LoRA settings, before any worker starts: ValueError naming the field (`where`: TrainSpec or DPO)."""
+    try:
+        _check(spec)
+    except ValueError as err:
+        raise ValueError(str(err).replace("TrainSpec.", f"{where}.")) from None
+
+
+def _check(spec) -> None:
     if not lora_on(spec):
-        if spec.lora_merge:
+        if getattr(spec, "lora_merge", False):
             raise ValueError("TrainSpec.lora_merge merges LoRA adapters into the model: it needs lora (or qlora) on")
         return
     if spec.lora_rank < 1:
@@ -106,20 +114,21 @@ def check(spec) -> None:
     if not (math.isfinite(spec.lora_dropout) and 0 <= spec.lora_dropout < 1):
         raise ValueError(f"TrainSpec.lora_dropout must be in [0, 1), got {spec.lora_dropout}")
     for name in ("fp8", "compile"):
-        if getattr(spec, name):
+        if getattr(spec, name, False):
             raise ValueError(f"TrainSpec.{name} is not supported with LoRA (not verified on peft's layers): set "
                              f"{name} false, or lora false")
-    if spec.strategy not in ("ddp", "fsdp"):
-        raise ValueError(f"TrainSpec.lora: strategy {spec.strategy!r} is not supported with LoRA: use 'ddp' or 'fsdp'")
+    strategy = getattr(spec, "strategy", "ddp")
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"TrainSpec.lora: strategy {strategy!r} is not supported with LoRA: use 'ddp' or 'fsdp'")
     if spec.qlora:
         from fuseforge.transformers.lora import nf4_available
 
         reason = nf4_available()
         if reason is not None:
             raise ValueError(f"TrainSpec.qlora: no supported 4-bit backend: {reason}")
-        if spec.strategy != "ddp":
+        if strategy != "ddp":
             raise ValueError(f"TrainSpec.qlora runs under strategy 'ddp' (NF4 base weights are replicated), got "
-                             f"strategy={spec.strategy!r}")
+                             f"strategy={strategy!r}")
     directory = adapter_dir(spec.model)
     if directory:
         from fuseforge_flyte.training.models import is_known_model

@@ -49,7 +49,7 @@ class TrainSpec:
     grad_clip: float = _setting(1.0, "max global gradient norm; 0 disables clipping")
     kernels: bool = _setting(True, "swap fuseforge's fused Triton kernels into the model")
     skip_kernels: str = _setting("", "comma-separated kernels to leave out when kernels is on: rms_norm, "
-                                 "layer_norm, rope, swiglu, fused_linear_cross_entropy")
+                                 "layer_norm, rope, swiglu, fused_linear_cross_entropy, lora")
     loss_chunk_size: int = _setting(0, "tokens per chunk of the fused loss head (with kernels); 0: fuseforge's "
                                     "default. Bigger chunks: faster, more peak memory")
     teacher: str = _setting("", "distill from this model (a preset, Hugging Face id or directory with the student's "
