@@ -15,8 +15,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
-import warnings
 
 import pytest
 import torch
@@ -36,6 +34,7 @@ from test_transformers_tiny_models import (  # noqa: E402
 import fuseforge.transformers as ff  # noqa: E402
 from fuseforge.transformers import loss as loss_module  # noqa: E402
 from fuseforge.transformers.lora import FusedLoraLinearMixin, quantize_base_nf4  # noqa: E402
+from peft_support import load_without_fuseforge  # noqa: E402 - tests/support
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -182,19 +181,6 @@ def test_lora_on_the_lm_head_keeps_the_loss_unfused_and_says_so():
     assert_close(model(**batch).loss, reference(**batch).loss, FP32)
 
 
-_LOAD_WITHOUT_FUSEFORGE = textwrap.dedent("""
-    import json, sys
-    sys.modules["fuseforge"] = None          # as if fuseforge were not installed
-    import torch, transformers, peft
-    base_dir, adapter_dir, merged_dir, ids_path, out_path = sys.argv[1:]
-    ids = torch.load(ids_path)
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    adapted = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
-    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        torch.save({"adapter": adapted(input_ids=ids).logits, "merged": merged(input_ids=ids).logits}, out_path)
-    print(json.dumps({"fuseforge": [m for m in sys.modules if m.startswith("fuseforge") and sys.modules[m]]}))
-""")
 
 
 def test_adapter_and_merged_exports_load_without_fuseforge_and_train_on(tmp_path):
@@ -217,13 +203,7 @@ def test_adapter_and_merged_exports_load_without_fuseforge_and_train_on(tmp_path
     assert set(os.listdir(adapter_dir)) == {"adapter_config.json", "adapter_model.safetensors", "README.md"}
     merged = copy.deepcopy(model).merge_and_unload()
     merged.save_pretrained(merged_dir)
-    torch.save(ids.cpu(), tmp_path / "ids.pt")
-    proc = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_FUSEFORGE, base_dir, adapter_dir, merged_dir,
-                           str(tmp_path / "ids.pt"), str(tmp_path / "out.pt")], capture_output=True, text=True,
-                          timeout=300, cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"fuseforge": []}
-    logits = torch.load(tmp_path / "out.pt")
+    logits = load_without_fuseforge(base_dir, adapter_dir, merged_dir, ids, tmp_path)
     assert_close(logits["adapter"], expected.cpu(), FP32, magnitude=4)
     assert_close(logits["merged"], expected.cpu(), FP32, magnitude=4)
 

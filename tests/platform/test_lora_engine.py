@@ -7,9 +7,6 @@ CPU, fp32, kernels off unless a test says so (tests/hf/test_peft.py checks the k
 
 import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -22,6 +19,7 @@ from fuseforge_flyte.training.local import run_local  # noqa: E402
 from fuseforge_flyte.training.models import build_model  # noqa: E402
 from fuseforge_flyte.training.spec import TrainSpec  # noqa: E402
 import forking  # noqa: E402 - tests/support
+from peft_support import load_without_fuseforge  # noqa: E402 - tests/support
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning", "ignore::UserWarning")
 
@@ -98,19 +96,6 @@ def test_fsdp_checkpoint_holds_adapters_and_an_elastic_restart_resumes_from_it(r
     assert b"lora_A" in metadata and b"base_layer" not in metadata and b"embed_tokens" not in metadata
 
 
-_LOAD_WITHOUT_FUSEFORGE = textwrap.dedent("""
-    import json, sys
-    sys.modules["fuseforge"] = None          # as if fuseforge were not installed
-    import torch, transformers, peft
-    base_dir, adapter_dir, merged_dir, ids_path, out_path = sys.argv[1:]
-    ids = torch.load(ids_path)
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    adapted = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
-    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        torch.save({"adapter": adapted(input_ids=ids).logits, "merged": merged(input_ids=ids).logits}, out_path)
-    print(json.dumps({"fuseforge": [m for m in sys.modules if m.startswith("fuseforge") and sys.modules[m]]}))
-""")
 
 
 @pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])
@@ -125,13 +110,7 @@ def test_adapter_and_merged_outputs_load_without_fuseforge_and_train_on(base_dir
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
     ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
-    torch.save(ids, tmp_path / "ids.pt")
-    proc = subprocess.run([sys.executable, "-c", _LOAD_WITHOUT_FUSEFORGE, base_dir, str(out / "adapter"), str(out),
-                           str(tmp_path / "ids.pt"), str(tmp_path / "logits.pt")], capture_output=True, text=True,
-                          timeout=300, cwd=str(tmp_path), env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"fuseforge": []}
-    logits = torch.load(tmp_path / "logits.pt")
+    logits = load_without_fuseforge(base_dir, str(out / "adapter"), str(out), ids, tmp_path)
     # the merged model is the base (full precision, also under QLoRA) plus the adapters: the adapter on the base
     torch.testing.assert_close(logits["merged"], logits["adapter"], rtol=1e-4, atol=1e-4)
     base = build_model(base_dir, seed=0, device=torch.device("cpu")).eval()

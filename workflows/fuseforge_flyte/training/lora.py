@@ -223,23 +223,12 @@ def load_trained(model: torch.nn.Module, state: Dict[str, torch.Tensor], where: 
 def save_adapter(strategy, ctx, spec, out_dir: str, tokenizer_dir: Optional[str]) -> Optional[str]:
     """Write the adapter (and with spec.lora_merge the merged model) to `out_dir`; its path on rank 0.
 
-    Collective like export.save_pretrained_model: every rank gathers, rank 0 writes, the others wait.
+    Collective like export.save_pretrained_model (the strategy's state is its trained parameters only, fp32).
     """
-    from fuseforge_flyte.training.export import ExportError
+    from fuseforge_flyte.training.export import write_on_rank0
 
-    state = strategy.full_state_dict()  # trained parameters only (LoRA), fp32, plain names
-    failure, written = None, None
-    if ctx.is_main:
-        try:
-            written = _write_outputs(strategy.inner, state, spec, out_dir, tokenizer_dir)
-        except Exception as err:  # told to the other ranks, then re-raised here
-            failure = err
-    message = ctx.broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}")
-    if failure is not None:
-        raise failure
-    if message is not None:
-        raise ExportError(f"rank 0 failed to write the adapter to {out_dir!r}: {message}")
-    return written
+    return write_on_rank0(strategy, ctx, out_dir,
+                          lambda state: _write_outputs(strategy.inner, state, spec, out_dir, tokenizer_dir))
 
 
 def _write_outputs(live, state: Dict[str, torch.Tensor], spec, out_dir: str, tokenizer_dir: Optional[str]) -> str:
