@@ -132,6 +132,12 @@ def test_kernels_fuse_the_lora_layers_and_match_the_unfused_run():
     torch.testing.assert_close(fused.loss_curve, plain.loss_curve, rtol=1e-4, atol=1e-4)
 
 
+def test_distillation_trains_the_students_adapters():
+    """distill with lora: the student's adapters learn from the teacher through the fused JSD (frozen student head)."""
+    m = train(_spec(teacher="tiny-llama", kernels=True, steps=2, batch_size=2, seq_len=16))
+    assert "lora" in m.kernels_patched and all(x == x for x in m.loss_curve) and m.steps == 2
+
+
 @pytest.mark.parametrize("settings, field", [
     (dict(lora_target_modules="q_proj,not_a_layer"), "TrainSpec.lora_target_modules: 'not_a_layer'"),
     (dict(lora_rank=0), "TrainSpec.lora_rank must be >= 1"),

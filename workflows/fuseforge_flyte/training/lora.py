@@ -107,6 +107,11 @@ def _check(spec) -> None:
         if getattr(spec, "lora_merge", False):
             raise ValueError("TrainSpec.lora_merge merges LoRA adapters into the model: it needs lora (or qlora) on")
         return
+    try:
+        import peft  # noqa: F401
+    except ImportError as err:
+        raise ValueError(f"TrainSpec.lora needs peft (pip install 'fuseforge[lora]'; for the cluster's image, "
+                         f"'lora' in platform.toml's [image].extras): {err}") from None
     if spec.lora_rank < 1:
         raise ValueError(f"TrainSpec.lora_rank must be >= 1 (the adapters' rank), got {spec.lora_rank}")
     if not (math.isfinite(spec.lora_alpha) and spec.lora_alpha > 0):
