@@ -83,8 +83,17 @@ def build(args, device: str):
     return model, "; ".join(notes)
 
 
+# --smoke only: batches of at least this size "run out of memory" without checkpointing (the CPU never does), so
+# that the smoke run takes the checkpointing branch of the search too
+FAKE_OOM_ENV = "FUSEFORGE_BENCH_FAKE_OOM"
+
+
 def step_times(model, opt, batch: int, seq: int, vocab: int, steps: int, device: str) -> tuple[list, float]:
     import torch
+
+    fake = os.environ.get(FAKE_OOM_ENV)
+    if device == "cpu" and fake and batch >= int(fake) and not model.is_gradient_checkpointing:
+        raise torch.OutOfMemoryError(f"{FAKE_OOM_ENV}={fake}: batch {batch} without checkpointing")
 
     gen = torch.Generator(device=device).manual_seed(1)
     ids = torch.randint(0, vocab, (batch, seq), device=device, generator=gen)
@@ -118,15 +127,14 @@ def worker(args) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
     vocab = model.config.vocab_size
-    probes, fitted_without = [], 0
+    probes = []
     for ckpt in (False, True):
-        if ckpt:
-            if not fitted_without and probes and probes[-1].get("oom") is False:
-                continue
+        if ckpt:  # only where a batch ran out of memory without it, from that batch on
+            if not any(p.get("oom") for p in probes):
+                break
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        for batch in args.batches:
-            if ckpt and batch < fitted_without:
-                continue  # checkpointing only pays where the batch did not fit without it
+        fitted = max((p["batch"] for p in probes if p.get("oom") is False), default=0)
+        for batch in (b for b in args.batches if not ckpt or b > fitted):
             if time.perf_counter() - t0 > args.budget_s:
                 probes.append({"batch": batch, "ckpt": ckpt, "skipped": "budget"})
                 break
@@ -146,10 +154,6 @@ def worker(args) -> dict:
             probes.append({"batch": batch, "ckpt": ckpt, "oom": False, "step_ms": median * 1e3,
                            "tokens_per_s": batch * args.seq / median, "peak_gib": peak, "loss": loss})
             print("PROBE " + json.dumps(probes[-1]), flush=True)
-            if not ckpt:
-                fitted_without = batch
-        if ckpt is False and all(p.get("oom") is False for p in probes):
-            break  # every batch fitted without checkpointing: nothing to gain from it
     return {"variant": args.variant, "note": note, "build_s": build_s, "probes": probes, "best": best_of(probes),
             "trainable": sum(p.numel() for p in params), "seconds": time.perf_counter() - t0}
 

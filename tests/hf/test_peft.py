@@ -227,13 +227,16 @@ def test_lora_benchmark_runs_end_to_end_in_smoke_mode(tmp_path):
     batch search, the table, the JSON) on a tiny model, so that a device call does not fail on a typo."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "lora.json"
-    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_lora.py"), "--smoke", "--seq", "32",
-                           "--libraries", "hf", "fuseforge", "--quant", "nf4", "--batches", "1", "--steps", "1",
+    proc = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "bench_lora.py"), "--smoke", "--seq", "16",
+                           "--libraries", "hf", "fuseforge", "--quant", "nf4", "--batches", "1", "2", "--steps", "1",
                            "--json", str(out)], capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+                          env=dict(os.environ, OMP_NUM_THREADS="1", FUSEFORGE_BENCH_FAKE_OOM="2"))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     results = json.loads(out.read_text())["results"]
     assert [r["variant"] for r in results] == ["hf:nf4", "fuseforge:nf4"]
-    assert all(r["best"]["batch"] == 1 and r["best"]["loss"] > 0 for r in results), results
+    for r in results:  # batch 1 fits, batch 2 "runs out of memory", then fits with checkpointing
+        assert [(p["batch"], p["ckpt"], p["oom"]) for p in r["probes"]] == [(1, False, False), (2, False, True),
+                                                                           (2, True, False)], r["probes"]
+        assert r["best"]["loss"] > 0
     assert "fused: rms_norm, rope, swiglu, fused_linear_cross_entropy, lora" in results[1]["note"]
-    assert "| fuseforge:nf4 | 1 | off |" in proc.stdout
+    assert "| fuseforge:nf4 |" in proc.stdout and "2+ckpt:" in proc.stdout
