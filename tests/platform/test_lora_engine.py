@@ -170,3 +170,16 @@ def test_bad_lora_settings_stop_the_launch_before_any_worker(monkeypatch):
     with pytest.raises(ValueError, match="TrainSpec.lora_rank"):
         run_local(_spec(lora_rank=0), 2)
     assert not started
+
+
+def test_train_distill_and_dpo_take_the_lora_inputs_with_platform_toml_defaults():
+    from fuseforge_flyte.config import load_config
+    from fuseforge_flyte.workflows import distill, dpo, train as train_workflow
+
+    names = ["lora", "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "qlora", "lora_merge"]
+    defaults = load_config().train_spec()
+    assert (defaults.lora, defaults.lora_rank, defaults.lora_alpha, defaults.qlora) == (False, 16, 32.0, False)
+    for workflow in (train_workflow, distill):
+        inputs = workflow.python_interface.inputs_with_defaults
+        assert {name: inputs[name][1] for name in names} == {name: getattr(defaults, name) for name in names}
+    assert set(names) - set(dpo.python_interface.inputs) == {"lora_merge"}
