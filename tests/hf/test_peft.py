@@ -169,6 +169,36 @@ def test_model_patched_before_peft_keeps_every_kernel(monkeypatch):
     assert not any(type(m).__name__.startswith("Fused") for m in wrapped.modules())
 
 
+def test_trainable_lm_head_copy_of_modules_to_save_trains_through_the_fused_loss():
+    """modules_to_save=["lm_head"]: peft trains a copy of the head; the fused loss reads whichever head peft's forward
+    would use (the copy, or the frozen original with adapters disabled), with the copy's gradient and none for the
+    original."""
+    seed = int(torch.randint(0, 2**31, ()))
+    torch.manual_seed(seed)
+    ref = peft_model("llama", modules_to_save=["lm_head"])
+    torch.manual_seed(seed)
+    fused = peft_model("llama", modules_to_save=["lm_head"])
+    report = ff.apply_kernels(fused)
+    assert report.patched["fused_linear_cross_entropy"] == {"LlamaForCausalLM (lm_head and its 1 modules_to_save copies)": 1}
+    opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR, eps=1e-6)
+    opt_fused = torch.optim.AdamW([p for p in fused.parameters() if p.requires_grad], lr=LR, eps=1e-6)
+    for step, batch in enumerate(synthetic_batches(3)):
+        out, out_ref = fused(**batch), ref(**batch)
+        assert out.logits is None
+        assert_close(out.loss, out_ref.loss, FP32, msg=f"step {step} loss")
+        out.loss.backward()
+        out_ref.loss.backward()
+        copy_grad = fused.base_model.model.lm_head.modules_to_save["default"].weight.grad
+        assert copy_grad is not None and fused.base_model.model.lm_head.original_module.weight.grad is None
+        assert_close(copy_grad, ref.base_model.model.lm_head.modules_to_save["default"].weight.grad, FP32)
+        for opt in (opt_ref, opt_fused):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    batch = synthetic_batches(1)[0]
+    with fused.disable_adapter(), ref.disable_adapter():  # the original head again
+        assert_close(fused(**batch).loss, ref(**batch).loss, FP32)
+
+
 def test_lora_on_the_lm_head_keeps_the_loss_unfused_and_says_so():
     model = peft_model("llama", target_modules=["q_proj", "lm_head"])
     report = ff.apply_kernels(model)

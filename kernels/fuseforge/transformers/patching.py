@@ -31,6 +31,7 @@ from fuseforge.transformers.loss import (
     LossSpec,
     causal_lm_loss,
     fused_forward_for,
+    head_modules,
     is_stock_loss,
     lm_head_of,
 )
@@ -210,11 +211,12 @@ def _patch_losses(model: nn.Module, family: Family | None, options: dict, state:
             lm.loss_function = causal_lm_loss
             report.add_patched("cross_entropy", f"{name}.loss_function")
         if options["fused_linear_cross_entropy"]:
-            head = lm_head_of(lm)
-            if type(head) is not nn.Linear:
+            heads = head_modules(lm_head_of(lm))
+            odd = [h for h in heads if type(h) is not nn.Linear and not isinstance(h, FusedLossHeadMixin)]
+            if odd:
                 report.add_skipped(
                     "fused_linear_cross_entropy",
-                    f"{name}.lm_head is {type(head).__name__}, not nn.Linear (e.g. wrapped by an adapter)",
+                    f"{name}.lm_head is {type(odd[0]).__name__}, not nn.Linear (e.g. wrapped by an adapter)",
                 )
                 continue
             if "forward" in lm.__dict__:
@@ -222,10 +224,13 @@ def _patch_losses(model: nn.Module, family: Family | None, options: dict, state:
                 continue
             setattr(lm, LOSS_SPEC_ATTR, spec)
             lm.forward = types.MethodType(fused_forward_for(type(lm)), lm)
-            swap(head, FusedLossHeadMixin)
-            state.swapped.append(head)
+            for head in heads:  # peft's modules_to_save: the original head and each adapter's trainable copy
+                if not isinstance(head, FusedLossHeadMixin):
+                    swap(head, FusedLossHeadMixin)
+                    state.swapped.append(head)
             state.forwards.append(lm)
-            report.add_patched("fused_linear_cross_entropy", f"{name} (lm_head)")
+            where = "lm_head" if len(heads) == 1 else f"lm_head and its {len(heads) - 1} modules_to_save copies"
+            report.add_patched("fused_linear_cross_entropy", f"{name} ({where})")
 
 
 def _patch_lora(model: nn.Module, options: dict, state: _State) -> None:

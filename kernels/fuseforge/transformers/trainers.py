@@ -83,6 +83,7 @@ from torch import nn
 
 from fuseforge.ops._shared.loss_args import IGNORE_INDEX
 from fuseforge.transformers.lora import inner_model, is_peft_model
+from fuseforge.transformers.loss import active_head
 from fuseforge.ops.grpo import fused_linear_grpo_loss
 from fuseforge.ops.preference import fused_linear_dpo_loss, fused_linear_kto_kl, fused_linear_kto_loss
 from fuseforge.transformers.loss import LOGIT_TRANSFORMS, LOSS_SPEC_ATTR
@@ -269,6 +270,7 @@ def _backbone(model: nn.Module):
     model = inner_model(model)
     base = getattr(model, "base_model", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = active_head(head) if head is not None else None  # peft's modules_to_save: the copy in use
     if not isinstance(base, nn.Module) or base is model or head is None or not isinstance(
         getattr(head, "weight", None), torch.Tensor
     ):
