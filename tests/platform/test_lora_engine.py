@@ -98,6 +98,41 @@ def test_fsdp_checkpoint_holds_adapters_and_an_elastic_restart_resumes_from_it(r
 
 
 
+def _fsdp_bf16_worker():
+    """FSDP2 with LoRA in bf16 (forced: CPU runs are fp32): frozen weights stored in bf16, the adapters in fp32,
+    all-gathered as bf16 and reduced in fp32; the optimizer and gradients cover the adapters only."""
+    from fuseforge_flyte.training import lora, strategies
+    from fuseforge_flyte.training.distributed import DistContext
+
+    torch.set_num_threads(1)
+    strategies.compute_dtype = lambda spec, device: spec.dtype  # bf16 on the CPU (a forked worker: dies with it)
+    ctx = DistContext.from_env(need_group=True)
+    try:
+        spec = _spec(strategy="fsdp", dtype="bf16", batch_size=2)
+        assert lora.frozen_dtype(spec, ctx.device) == torch.bfloat16
+        model = lora.attach(build_model(spec.model, seed=0, device=ctx.device), spec, frozen_dtype=torch.bfloat16,
+                            log_it=False)
+        strategy = strategies.make_strategy(spec, ctx, model)
+        assert strategy.dtype == "bf16"
+        ids = torch.randint(0, 259, (2, 16))
+        strategy.backward(strategy.forward({"input_ids": ids, "labels": ids}, True))
+        trainable = {str(p.dtype) for p in model.parameters() if p.requires_grad}
+        frozen = {str(p.dtype) for p in model.parameters() if not p.requires_grad and p.is_floating_point()}
+        grads = [n for n, p in model.named_parameters() if p.grad is not None]
+        optimized = sum(len(g["params"]) for g in strategy.optimizer.param_groups)
+        strategy.optimizer_step()
+        return trainable, frozen, all("lora_" in n for n in grads) and len(grads) == optimized > 0
+    finally:
+        ctx.close()
+
+
+def test_fsdp_keeps_frozen_weights_in_bf16_apart_from_fp32_adapters():
+    from fuseforge_flyte.training.local import launch_local
+
+    results = launch_local(_fsdp_bf16_worker, 2, start_method=forking.start_method())
+    assert results[0] == results[1] == ({"torch.float32"}, {"torch.bfloat16"}, True)
+
+
 @pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])
 def test_adapter_and_merged_outputs_load_without_fuseforge_and_train_on(base_dir, tmp_path, qlora):
     out = tmp_path / "out"

@@ -37,9 +37,7 @@ from fuseforge_flyte.training.metrics import (History, device_name, final_loss, 
                                               reset_peak_memory, summarize)
 from fuseforge_flyte.training.models import PRESETS, build_model, load_config, model_flops, peak_flops
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
-from fuseforge_flyte.training.precision import master_dtype_for
-from fuseforge_flyte.training.strategies import (Strategy, compute_dtype, compute_torch_dtype, make_strategy,
-                                                 strategy_class)
+from fuseforge_flyte.training.strategies import Strategy, compute_torch_dtype, make_strategy, strategy_class
 from fuseforge_flyte.training.validation import skipped_kernels
 
 log = logging.getLogger("fuseforge.training")
@@ -121,8 +119,7 @@ class _Run:
         model = _build_model_for(spec, self.data, ctx.device)
         self.lora = lora.lora_on(spec)
         if self.lora:  # adapters on the frozen base, before the kernels (which then fuse the LoRA layers too)
-            low = master_dtype_for(compute_dtype(spec, ctx.device), ctx.device) if spec.strategy == "ddp" else None
-            model = lora.attach(model, spec, frozen_dtype=low, log_it=ctx.is_main)
+            model = lora.attach(model, spec, frozen_dtype=lora.frozen_dtype(spec, ctx.device), log_it=ctx.is_main)
         if self.data is not None:
             self.dataset, self.eval_dataset = self.data.train, self.data.eval
         else:

@@ -170,6 +170,21 @@ def peft_config(spec, config):
                            target_modules=targets_for(spec, config), task_type="CAUSAL_LM")
 
 
+def frozen_dtype(spec, device: torch.device) -> Optional[torch.dtype]:
+    """The dtype the frozen weights are stored in: the compute dtype where the trainable ones are kept apart in
+    fp32 (DDP's master weights; FSDP2, whose all-gather casts the fp32 adapters and reduces their gradients in
+    fp32, and needs a uniform dtype among trainable parameters only); None keeps them as built (fp32 runs,
+    fp16 autocast)."""
+    from fuseforge_flyte.training.precision import master_dtype_for
+    from fuseforge_flyte.training.strategies import compute_dtype, compute_torch_dtype
+
+    if spec.strategy == "ddp":
+        return master_dtype_for(compute_dtype(spec, device), device)
+    if spec.strategy == "fsdp" and compute_dtype(spec, device) == "bf16":
+        return compute_torch_dtype(spec, device)
+    return None
+
+
 def attach(model: torch.nn.Module, spec, *, frozen_dtype: Optional[torch.dtype], log_it: bool) -> torch.nn.Module:
     """`model` (the base, fp32) as a peft.PeftModel with trainable adapters; its frozen floating weights cast to
     `frozen_dtype` (the compute dtype where the strategy keeps fp32 masters, which then cover the adapters only);
@@ -248,7 +263,8 @@ def _write_outputs(live, state: Dict[str, torch.Tensor], spec, out_dir: str, tok
     try:
         adapter = os.path.join(work, ADAPTER_SUBDIR) if spec.lora_merge else work
         os.makedirs(adapter, exist_ok=True)
-        live.save_pretrained(adapter, state_dict=_peft_names(live, state))
+        # embeddings never train here: no lookup of the base config (a hub request) to find out
+        live.save_pretrained(adapter, state_dict=_peft_names(live, state), save_embedding_layers=False)
         if tokenizer_dir:
             _copy_tokenizer(tokenizer_dir, adapter)
         if spec.lora_merge:
