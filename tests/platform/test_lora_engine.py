@@ -167,6 +167,12 @@ def test_kernels_fuse_the_lora_layers_and_match_the_unfused_run():
     torch.testing.assert_close(fused.loss_curve, plain.loss_curve, rtol=1e-4, atol=1e-4)
 
 
+def test_activation_checkpointing_trains_the_adapters_the_same(reference):
+    """Checkpointed decoder layers over a frozen embedding (no input that requires grad): same adapters, same loss."""
+    checkpointed = train(_spec(gradient_checkpointing=True))
+    torch.testing.assert_close(checkpointed.loss_curve, reference.loss_curve, rtol=1e-6, atol=1e-6)
+
+
 def test_distillation_trains_the_students_adapters():
     """distill with lora: the student's adapters learn from the teacher through the fused JSD (frozen student head)."""
     m = train(_spec(teacher="tiny-llama", kernels=True, steps=2, batch_size=2, seq_len=16))
