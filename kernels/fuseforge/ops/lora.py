@@ -8,9 +8,10 @@ and the backward adds the adapter's input gradient into the base one the same wa
 size [tokens, out] is built besides the output and its gradient.
 
 The base weight W is frozen: no gradient is computed for it unless it requires one (no [out, in]
-gradient buffer). It may be a torchao NF4 tensor (QLoRA): the forward goes through torchao's
-`F.linear` and the backward dequantizes W to the activations' dtype for `grad @ W`, as torchao's own
-NF4 linear does. Dropout is applied by the caller (peft's own dropout module, so the random masks
+gradient buffer). It may be a torchao NF4 tensor (QLoRA): forward and backward dequantize it to the
+activations' dtype for their matmul (x W^T, grad W) with fuseforge's one-pass kernel (ops/nf4.py), as
+torchao's own NF4 linear does with its multi-op `get_original_weight`; the dequantized weight is a
+temporary of each matmul, never saved. Dropout is applied by the caller (peft's own dropout module, so the random masks
 are peft's); `dropped` is None when the adapter sees x itself.
 
 Gradients: with g the output gradient and u = drop(x) A^T (saved, [tokens, r]),
@@ -24,10 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from fuseforge.ops.nf4 import dequantize_nf4, is_nf4
+
 
 def _dense(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight as a plain tensor of `dtype`: NF4 weights dequantize (torchao's Tensor.to), others cast."""
-    return weight if weight.dtype == dtype and type(weight) is torch.Tensor else weight.to(dtype)
+    """The weight as a plain tensor of `dtype`: NF4 weights dequantized in one pass (ops/nf4.py), others cast."""
+    if is_nf4(weight):
+        return dequantize_nf4(weight, dtype)
+    return weight if weight.dtype == dtype else weight.to(dtype)
 
 
 class _LoraLinear(torch.autograd.Function):
@@ -36,7 +41,7 @@ class _LoraLinear(torch.autograd.Function):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         a_in = x2 if dropped is None else dropped.reshape(-1, shape[-1])
-        out = F.linear(x2, weight, bias)  # NF4: torchao's F.linear (dequantize, then matmul)
+        out = F.linear(x2, _dense(weight, x.dtype), bias)  # NF4: dequantized for this matmul only
         u = a_in @ lora_a.t()
         out.addmm_(u, lora_b.t(), alpha=scaling)
         ctx.scaling, ctx.shape = scaling, shape
