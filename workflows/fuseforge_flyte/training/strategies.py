@@ -353,7 +353,7 @@ class FSDPStrategy(_TorchOptimized):
         torch's get_model_state_dict already drops FSDP/checkpoint-wrapper name parts;
         plain_key is applied again so that every strategy's keys come out the same way.
         """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         state = get_model_state_dict(self.model, options=self._state_options(full_state_dict=True, cpu_offload=True))
         if not self.ctx.is_main:
