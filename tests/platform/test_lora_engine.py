@@ -83,6 +83,47 @@ def test_two_workers_match_one_process(reference, strategy):
     assert results[0].loss_curve == results[1].loss_curve
 
 
+def _lora_loss(model, strategy_forward=None):
+    ids = torch.randint(0, 259, (2, 16), generator=torch.Generator().manual_seed(3))
+    return (strategy_forward or (lambda b, last: model(**b).loss))({"input_ids": ids, "labels": ids}, True)
+
+
+def _fsdp_kernels_worker():
+    """FSDP2 unshards each decoder layer for its forward: the fused LoRA linear runs on the gathered weights."""
+    from fuseforge.ops import lora as lora_op
+    from fuseforge.transformers import apply_kernels
+    from fuseforge_flyte.training import lora, strategies
+    from fuseforge_flyte.training.distributed import DistContext
+
+    torch.set_num_threads(1)
+    calls = []
+    real = lora_op._LoraLinear.apply
+    lora_op._LoraLinear.apply = lambda *a: calls.append(1) or real(*a)  # a forked worker: dies with it
+    ctx = DistContext.from_env(need_group=True)
+    try:
+        spec = _spec(strategy="fsdp", kernels=True)
+        model = lora.attach(build_model(spec.model, seed=0, device=ctx.device), spec, frozen_dtype=None, log_it=False)
+        assert "lora" in apply_kernels(model).patched_kernels()
+        strategy = strategies.make_strategy(spec, ctx, model)
+        loss = _lora_loss(model, strategy.forward)
+        strategy.backward(loss)
+        return len(calls), loss.item()
+    finally:
+        ctx.close()
+
+
+def test_fsdp_with_kernels_runs_the_fused_lora_layers():
+    from fuseforge_flyte.training import lora
+    from fuseforge_flyte.training.local import launch_local
+
+    results = launch_local(_fsdp_kernels_worker, 2, start_method=forking.start_method())
+    single = _lora_loss(lora.attach(build_model("tiny-llama", seed=0, device=torch.device("cpu")), _spec(),
+                                    frozen_dtype=None, log_it=False)).item()  # peft's own layers, no kernels
+    for calls, loss in results.values():
+        assert calls == 14  # 7 projections x 2 layers, forward
+        assert loss == pytest.approx(single, rel=1e-5)
+
+
 def test_fsdp_checkpoint_holds_adapters_and_an_elastic_restart_resumes_from_it(reference, tmp_path, monkeypatch):
     """Rank 0 killed after step 4 (first attempt only); the restarted workers resume from the step-3 checkpoint,
     which holds the adapters (and their optimizer state) but no frozen weight."""
