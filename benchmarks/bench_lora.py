@@ -3,6 +3,8 @@
     python benchmarks/bench_lora.py --seq 2048                     # Llama-3-8B, r=16 on all linear layers, bf16 + NF4
     python benchmarks/bench_lora.py --seq 4096 --quant nf4         # QLoRA only
     python benchmarks/bench_lora.py --smoke                        # CPU, tiny model: checks the script end to end
+    python benchmarks/bench_lora.py --seq 4096 --quant nf4 --libraries hf fuseforge --profile --timeout 150
+                                                                   # + each best layout's top GPU kernels
 
 Each (library, quantization) variant runs in its own subprocess (clean allocator: its peak memory is its own)
 and searches its best layout: micro-batches of --batches, without activation checkpointing until one runs out
@@ -37,7 +39,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_model import PRESETS  # noqa: E402 - the same Llama-3-8B shape as the other benchmarks
+from bench_model import PRESETS, print_kernel_profile  # noqa: E402 - the same Llama-3-8B shape as the others
 
 LIBRARIES = ("hf", "liger", "fuseforge")
 QUANTS = ("bf16", "nf4")
@@ -154,7 +156,13 @@ def worker(args) -> dict:
             probes.append({"batch": batch, "ckpt": ckpt, "oom": False, "step_ms": median * 1e3,
                            "tokens_per_s": batch * args.seq / median, "peak_gib": peak, "loss": loss})
             print("PROBE " + json.dumps(probes[-1]), flush=True)
-    return {"variant": args.variant, "note": note, "build_s": build_s, "probes": probes, "best": best_of(probes),
+    best = best_of(probes)
+    if args.profile and best is not None and device == "cuda":  # where the best layout's step goes, kernel by kernel
+        if best["ckpt"] != model.is_gradient_checkpointing:
+            model.gradient_checkpointing_disable()
+        ids = torch.randint(0, vocab, (best["batch"], args.seq), device=device)
+        print_kernel_profile(model, opt, ids, args.variant)
+    return {"variant": args.variant, "note": note, "build_s": build_s, "probes": probes, "best": best,
             "trainable": sum(p.numel() for p in params), "seconds": time.perf_counter() - t0}
 
 
@@ -168,11 +176,14 @@ def run_variant(args, variant: str) -> dict:
            "--seq", str(args.seq), "--rank", str(args.rank), "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--budget-s", str(args.budget_s), "--batches", *map(str, args.batches)]
     cmd += ["--smoke"] if args.smoke else []
+    cmd += ["--profile"] if args.profile else []
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         stdout, stderr, why = proc.stdout, proc.stderr, None
     except subprocess.TimeoutExpired as exc:  # what it measured before the kill still counts
         stdout, stderr, why = _text(exc.stdout), _text(exc.stderr), f"killed after {args.timeout} s"
+    if "PROFILE" in stdout:
+        print(stdout[stdout.index("PROFILE"):].split("RESULT ")[0], flush=True)
     probes, note = [], {}
     for line in stdout.splitlines():
         if line.startswith("RESULT "):
@@ -233,6 +244,8 @@ def main(argv=None) -> int:
                    help="probing time per variant after the model is built (a started probe finishes)")
     p.add_argument("--timeout", type=int, default=90, help="seconds per variant's process (its probes so far count)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, Triton interpreter: the script end to end")
+    p.add_argument("--profile", action="store_true",
+                   help="after the search, profile 2 steps of each variant's best layout (top GPU kernels)")
     p.add_argument("--json")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
