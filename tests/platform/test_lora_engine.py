@@ -127,7 +127,8 @@ def test_fsdp_with_kernels_runs_the_fused_lora_layers():
 def test_fsdp_checkpoint_holds_adapters_and_an_elastic_restart_resumes_from_it(reference, tmp_path, monkeypatch):
     """Rank 0 killed after step 4 (first attempt only); the restarted workers resume from the step-3 checkpoint,
     which holds the adapters (and their optimizer state) but no frozen weight."""
-    spec = _spec(strategy="fsdp", batch_size=2, checkpoint_dir=str(tmp_path), checkpoint_every=3)
+    spec = _spec(strategy="fsdp", batch_size=2, checkpoint_dir=str(tmp_path), checkpoint_every=3,
+                 output_dir=str(tmp_path / "adapter"))
     monkeypatch.setenv(FAULT_ENV, "0:4")
     restarted = run_local(spec, 2, max_restarts=1, start_method=forking.start_method())
     for metrics in restarted.values():
@@ -135,6 +136,11 @@ def test_fsdp_checkpoint_holds_adapters_and_an_elastic_restart_resumes_from_it(r
         torch.testing.assert_close(metrics.loss_curve, reference.loss_curve, rtol=2e-5, atol=2e-5)
     metadata = (tmp_path / "step_00000006" / "dcp" / ".metadata").read_bytes()
     assert b"lora_A" in metadata and b"base_layer" not in metadata and b"embed_tokens" not in metadata
+    # the adapter gathered from the shards: PEFT's format, every adapter tensor of the model
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert len(saved) == 2 * 7 * 2 and all("lora_" in k for k in saved), sorted(saved)[:4]
 
 
 
