@@ -48,6 +48,12 @@ for step in "$@"; do
             --op fused_add_rms_norm --op cross_entropy --op swiglu --json "$OUT/sweep.json" ;;
         flce) run_step "$step" python3 benchmarks/bench_flce.py --impls fuseforge,liger ;;
         model) run_step "$step" python3 benchmarks/bench_model.py --variants liger fuseforge ;;
+        # LoRA / QLoRA (issues 36, 38): Llama-3-8B r=16, HF+peft vs Liger+peft vs fuseforge+peft, best batch each;
+        # one sequence length per device call (6 variants x 90 s). Needs peft 0.21.2, torchao, liger-kernel wheels.
+        lora-2048) STEP_TIMEOUT=580 run_step "$step" python3 benchmarks/bench_lora.py --seq 2048 --json "$OUT/lora-2048.json" ;;
+        lora-4096) STEP_TIMEOUT=580 run_step "$step" python3 benchmarks/bench_lora.py --seq 4096 --json "$OUT/lora-4096.json" ;;
+        tests-lora) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_lora_linear.py \
+            tests/hf/test_peft.py ;;
         tests-issue19) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/kernels/test_preference_losses.py \
             tests/kernels/test_grpo_loss.py ;;
         tests-issue18) run_step "$step" python3 -m pytest -q -p no:cacheprovider tests/hf/test_trainer_integration.py \

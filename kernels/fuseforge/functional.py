@@ -12,6 +12,8 @@ from fuseforge.ops.grpo import fused_linear_grpo_loss
 from fuseforge.ops.jsd import fused_linear_jsd, jsd
 from fuseforge.ops.kl_div import kl_div
 from fuseforge.ops.layer_norm import layer_norm
+from fuseforge.ops.lora import lora_linear
+from fuseforge.ops.nf4 import dequantize_nf4
 from fuseforge.ops.preference import (
     fused_linear_cpo_loss,
     fused_linear_dpo_loss,
@@ -27,6 +29,7 @@ from fuseforge.ops.token_logprobs import fused_linear_token_logprobs, fused_line
 __all__ = [
     "clamped_swiglu",
     "cross_entropy",
+    "dequantize_nf4",
     "fused_add_rms_norm",
     "fused_linear_cpo_loss",
     "fused_linear_cross_entropy",
@@ -43,6 +46,7 @@ __all__ = [
     "jsd",
     "kl_div",
     "layer_norm",
+    "lora_linear",
     "rms_norm",
     "rope",
     "swiglu",

@@ -44,8 +44,29 @@ CHOSEN = [" sat on the mat", " and more", " d e f", " three four", " blue", " an
 REJECTED = [" ran", " no", " x y", " five", " black and white", " sideways", " up", " neither of them"]
 
 
-def dpo_trainer(tokenizer, tmp_path, *, with_ref_model=True, **config):
+def lora_config():
+    """LoRA on every linear layer, adapters in the model's dtype; seeded B away from 0 (see peft_policy)."""
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+
+
+def peft_policy(model):
+    """The model with LoRA adapters whose B is random (the policy differs from the reference from step 1)."""
+    import peft
+
+    model = peft.get_peft_model(model, lora_config(), autocast_adapter_dtype=False)
+    gen = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05, generator=gen)
+    return model
+
+
+def dpo_trainer(tokenizer, tmp_path, *, with_ref_model=True, peft_adapter=False, **config):
     model = tiny_llama(tokenizer, hidden_size=32)
+    if peft_adapter:
+        model = peft_policy(model)
     # learning rate large enough that the policy leaves the reference: non-trivial rewards
     args = trl.DPOConfig(**common_args(tmp_path, gradient_accumulation_steps=2, learning_rate=1e-2, max_length=32,
                                        **config))
@@ -111,9 +132,11 @@ def train_patched(trainer, tokenizer):
 
 @pytest.mark.parametrize(
     "loss_type, reference",
-    [("sigmoid", "model"), ("ipo", "log-probs"), ("robust", "model"), ("hinge", "log-probs")],
+    [("sigmoid", "model"), ("ipo", "log-probs"), ("robust", "model"), ("hinge", "log-probs"), ("sigmoid", "adapter")],
 )
 def test_dpo_trainer_trains_on_fused_dpo_loss(loss_type, reference, tokenizer, tmp_path, dpo_calls):
+    """reference "adapter": a LoRA policy (peft) without a reference model, whose reference is the policy with
+    its adapter disabled: computed by the fused loss from hidden states too (no logits), equal to TRL's."""
     config = dict(loss_type=[loss_type], beta=0.5)
     if loss_type == "robust":
         config["label_smoothing"] = 0.2
@@ -123,7 +146,8 @@ def test_dpo_trainer_trains_on_fused_dpo_loss(loss_type, reference, tokenizer, t
         config.update(precompute_ref_log_probs=True)
 
     def build():
-        return dpo_trainer(tokenizer, tmp_path, with_ref_model=reference == "model", **config)
+        return dpo_trainer(tokenizer, tmp_path, with_ref_model=reference == "model",
+                           peft_adapter=reference == "adapter", **config)
 
     expected = train(build())
     assert all(metric in log for log in expected for metric in DPO_LOGITS_METRICS)  # what TRL logs unpatched
@@ -131,12 +155,15 @@ def test_dpo_trainer_trains_on_fused_dpo_loss(loss_type, reference, tokenizer, t
     trainer = build()
     model = trainer.model
     head_calls = []
-    model.lm_head.register_forward_hook(lambda m, i, out: head_calls.append(tuple(out.shape)) if m.training else None)
+    model.get_output_embeddings().register_forward_hook(lambda m, i, out: head_calls.append(tuple(out.shape)) if m.training else None)
     report, logs, ours, spy = train_patched(trainer, tokenizer)
     assert len(ours) == 1 and all(m in ours[0] for m in DPO_LOGITS_METRICS), ours
     assert f"trainer: DPOTrainer's training loss is fused_linear_dpo_loss (loss_type={loss_type!r})" in report.notes
 
-    assert dpo_calls[loss_type] == 2 * 2 and dpo_calls[f"reference: {reference}"] == 2 * 2  # every micro-batch
+    kind = "model" if reference == "adapter" else reference  # the adapter-disabled policy is a reference model
+    assert dpo_calls[loss_type] == 2 * 2 and dpo_calls[f"reference: {kind}"] == 2 * 2  # every micro-batch
+    if reference == "adapter":
+        assert report.patched["lora"] and any("PEFT" in note for note in report.notes), report
     assert not head_calls and not spy.seen, (head_calls, spy.seen[:5])  # no [tokens, vocab] logits in training
     numeric = [k for k, v in expected[0].items() if isinstance(v, float) and k not in ("step_time", "epoch")]
     assert {"loss", "grad_norm", "rewards/margins", "logps/chosen", "logits/chosen"} <= set(numeric)
@@ -212,8 +239,10 @@ def kto_calls(monkeypatch):
     return calls
 
 
-def kto_trainer(tokenizer, tmp_path, *, with_ref_model=True, **config):
+def kto_trainer(tokenizer, tmp_path, *, with_ref_model=True, peft_adapter=False, **config):
     model = tiny_llama(tokenizer, hidden_size=32)
+    if peft_adapter:
+        model = peft_policy(model)
     args = trl.KTOConfig(**common_args(tmp_path, gradient_accumulation_steps=2, learning_rate=1e-2, max_length=32,
                                        per_device_train_batch_size=4, **config))
     # unpaired: each prompt once with a desirable and once with an undesirable completion, in an order that
@@ -227,7 +256,8 @@ def kto_trainer(tokenizer, tmp_path, *, with_ref_model=True, **config):
 
 
 @pytest.mark.parametrize(
-    "loss_type, reference", [("kto", "model"), ("kto", "log-probs"), ("apo_zero_unpaired", "model")]
+    "loss_type, reference",
+    [("kto", "model"), ("kto", "log-probs"), ("apo_zero_unpaired", "model"), ("kto", "adapter")],
 )
 def test_kto_trainer_trains_on_fused_kto_loss(loss_type, reference, tokenizer, tmp_path, kto_calls):
     config = dict(loss_type=loss_type, beta=0.5, desirable_weight=1.3, undesirable_weight=0.8)
@@ -235,7 +265,8 @@ def test_kto_trainer_trains_on_fused_kto_loss(loss_type, reference, tokenizer, t
         config.update(precompute_ref_log_probs=True)
 
     def build():
-        return kto_trainer(tokenizer, tmp_path, with_ref_model=reference == "model", **config)
+        return kto_trainer(tokenizer, tmp_path, with_ref_model=reference == "model",
+                           peft_adapter=reference == "adapter", **config)
 
     expected = train(build())
     assert all(metric in log for log in expected for metric in KTO_LOGITS_METRICS)  # what TRL logs unpatched
@@ -244,7 +275,8 @@ def test_kto_trainer_trains_on_fused_kto_loss(loss_type, reference, tokenizer, t
     report, logs, ours, spy = train_patched(trainer, tokenizer)
     assert len(ours) == 1 and all(m in ours[0] for m in KTO_LOGITS_METRICS), ours
     assert f"trainer: KTOTrainer's training loss is fused_linear_kto_loss (loss_type={loss_type!r})" in report.notes
-    assert kto_calls[loss_type] == 2 * 2 and kto_calls[f"reference: {reference}"] == 2 * 2  # every micro-batch
+    kind = "model" if reference == "adapter" else reference  # the adapter-disabled policy is a reference model
+    assert kto_calls[loss_type] == 2 * 2 and kto_calls[f"reference: {kind}"] == 2 * 2  # every micro-batch
     assert kto_calls["kl"] == (2 * 2 if loss_type == "kto" else 0)
     assert not spy.seen, spy.seen[:5]  # no [tokens, vocab] logits in training
     numeric = [k for k, v in expected[0].items() if isinstance(v, float) and k not in ("step_time", "epoch")]
@@ -263,16 +295,20 @@ def test_kto_trainer_trains_on_fused_kto_loss(loss_type, reference, tokenizer, t
 # --- GRPOTrainer ---------------------------------------------------------------------------------
 
 
-def grpo_trainer(tokenizer, tmp_path, **config):
+def grpo_trainer(tokenizer, tmp_path, peft_adapter=False, **config):
     def longer_is_better(completions, **kwargs):
         return [float(len(c)) for c in completions]
 
+    model = tiny_llama(tokenizer, hidden_size=32)
+    if peft_adapter:
+        model = peft_policy(model)
+
     # Two policy updates per generation with a tight clip range: old log-probs, ratios != 1, clipping.
-    config = {"max_steps": 2, "loss_type": "dapo", "num_iterations": 2, "epsilon": 0.002, **config}
+    config = {"max_steps": 2, "loss_type": "dapo", "num_iterations": 2, "epsilon": 0.002, "beta": 0.0, **config}
     args = trl.GRPOConfig(**common_args(tmp_path, gradient_accumulation_steps=2, learning_rate=1e-2, num_generations=2,
-                                        max_completion_length=4, beta=0.0, **config))
+                                        max_completion_length=4, **config))
     return trl.GRPOTrainer(
-        model=tiny_llama(tokenizer, hidden_size=32),
+        model=model,
         reward_funcs=longer_is_better,
         args=args,
         train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS[:4]}),
@@ -280,8 +316,10 @@ def grpo_trainer(tokenizer, tmp_path, **config):
     )
 
 
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_grpo_trainer_trains_on_fused_grpo_loss(loss_type, tokenizer, tmp_path, monkeypatch):
+@pytest.mark.parametrize("loss_type, policy", [("dapo", "full"), ("grpo", "full"), ("grpo", "adapter")])
+def test_grpo_trainer_trains_on_fused_grpo_loss(loss_type, policy, tokenizer, tmp_path, monkeypatch):
+    """policy "adapter": a LoRA policy (peft) with a KL term (beta > 0) to the policy with its adapter disabled."""
+    extra = dict(peft_adapter=True, beta=0.1) if policy == "adapter" else {}
     calls = Counter()
     real = trainers_mod.fused_linear_grpo_loss
 
@@ -290,10 +328,10 @@ def test_grpo_trainer_trains_on_fused_grpo_loss(loss_type, tokenizer, tmp_path, 
         return real(*args, **kwargs)
 
     monkeypatch.setattr(trainers_mod, "fused_linear_grpo_loss", counted)
-    expected = train(grpo_trainer(tokenizer, tmp_path, loss_type=loss_type))
+    expected = train(grpo_trainer(tokenizer, tmp_path, loss_type=loss_type, **extra))
     assert all("entropy" in log for log in expected)
 
-    trainer = grpo_trainer(tokenizer, tmp_path, loss_type=loss_type)
+    trainer = grpo_trainer(tokenizer, tmp_path, loss_type=loss_type, **extra)
     spy = WideLogits(len(tokenizer), trainer.model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -319,6 +357,8 @@ def test_grpo_trainer_trains_on_fused_grpo_loss(loss_type, tokenizer, tmp_path, 
             assert a[key] == pytest.approx(e[key], rel=RTOL, abs=1e-6), f"step {step + 1}: {key}"
     assert not spy.seen, spy.seen[:5]
     assert any(log["clip_ratio/region_mean"] > 0 for log in logs), logs  # the clipped branch ran
+    if policy == "adapter":
+        assert any(log["kl"] > 0 for log in logs), logs  # the adapter-disabled reference took part
 
 
 def test_grpo_trainer_unsupported_loss_type_keeps_trl_loss_with_one_warning(tokenizer, tmp_path):

@@ -155,12 +155,13 @@ SFT_TEXTS = [
 ]
 
 
-def sft_trainer(tokenizer, tmp_path, **config):
+def sft_trainer(tokenizer, tmp_path, peft_config=None, **config):
     model = tiny_llama(tokenizer)
     args = trl.SFTConfig(**common_args(tmp_path, gradient_accumulation_steps=2, max_length=32, **config))
     data = datasets.Dataset.from_dict({"text": SFT_TEXTS * 2})
     trainer = trl.SFTTrainer(
-        model=model, args=args, train_dataset=data, eval_dataset=data.select(range(2)), processing_class=tokenizer
+        model=model, args=args, train_dataset=data, eval_dataset=data.select(range(2)), processing_class=tokenizer,
+        peft_config=peft_config,
     )
     return trainer, model
 
@@ -195,6 +196,27 @@ def test_sft_trainer_fused_loss_drops_logits_metrics_with_one_warning(tokenizer,
     # Evaluation keeps TRL's own path, metrics included.
     for key in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy", "eval_num_tokens"):
         assert evaluation[key] == pytest.approx(expected_eval[key], rel=RTOL, abs=1e-6), key
+
+
+def test_sft_trainer_with_a_peft_config_trains_lora_on_every_kernel(tokenizer, tmp_path, kernel_calls):
+    """SFTTrainer(peft_config=LoRA): the trainer's PeftModel gets every kernel, the fused LoRA linears and the
+    fused loss; loss and grad norm as TRL + peft unpatched."""
+    peft = pytest.importorskip("peft")
+
+    def build():
+        config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", task_type="CAUSAL_LM")
+        return sft_trainer(tokenizer, tmp_path, peft_config=config, learning_rate=1e-2)[0]
+
+    expected = train_logs(build())
+    trainer = build()
+    assert type(trainer.model).__name__.startswith("PeftModel")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = ff.apply_kernels(trainer)
+        logs = train_logs(trainer)
+    assert {"rms_norm", "rope", "swiglu", "fused_linear_cross_entropy", "lora"} <= set(report.patched_kernels())
+    assert kernel_calls["fused_linear_cross_entropy"] == 2 * 2
+    assert_logs_match(logs, expected, ("loss", "grad_norm"))
 
 
 def test_sft_trainer_without_fused_loss_keeps_logits_metrics(tokenizer, tmp_path, kernel_calls, sft_reference):

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fuseforge.ops import cross_entropy as ce
-from fuseforge.ops import glu, jsd, kl_div, layer_norm, rms_norm, rope
+from fuseforge.ops import glu, jsd, kl_div, layer_norm, nf4, rms_norm, rope
 from fuseforge.ops._shared import rowwise, scaling, targets
 from fuseforge.ops._shared import vocab_major_cross_entropy as vm
 from fuseforge.optim import master_adamw
@@ -75,6 +75,9 @@ def data(*names):
 
 def main() -> int:
     f32, i64 = "*fp32", "*i64"
+    for dt in ("*bf16", "*fp16", "*fp32"):
+        compile_for_sm90(nf4._nf4_dequantize_kernel, {"packed_ptr": "*u8", **data("scalers_ptr", "table_ptr", "out_ptr")},
+                         dt, dict(BLOCK_SIZE=64, EMULATE_RNE=False, BYTES=nf4._BYTES_PER_PROGRAM))
     for grad, copy in (("*bf16", "*bf16"), ("*fp32", "*bf16"), ("*fp16", "*fp16")):
         compile_for_sm90(master_adamw._master_adamw_kernel,
                          {"master_ptr": f32, "grad_ptr": grad, "exp_avg_ptr": f32, "exp_avg_sq_ptr": f32,

@@ -303,6 +303,16 @@ PREFERENCE_CASES = [
     case("fused_linear_token_objective-token_loss", lambda c: _pref(F.fused_linear_token_objective, c, token_loss=3), TypeError, "token_loss must be callable, got int"),
 ]
 FUNCTIONAL_CASES += PREFERENCE_CASES
+FUNCTIONAL_CASES += [
+    case("lora_linear-shapes", lambda c: F.lora_linear(c.randn(4, 8), c.randn(6, 8), c.randn(2, 7), c.randn(6, 2), 1.0),
+         ValueError, r"do not chain \(\[out, in\], \[r, in\], \[out, r\]\)"),
+    case("lora_linear-dtypes", lambda c: F.lora_linear(c.randn(4, 8), c.randn(6, 8), c.randn(2, 8, dtype=FP16),
+                                                       c.randn(6, 2), 1.0), ValueError, "must share one dtype"),
+    case("lora_linear-dropped", lambda c: F.lora_linear(c.randn(4, 8), c.randn(6, 8), c.randn(2, 8), c.randn(6, 2), 1.0,
+                                                        dropped=c.randn(3, 8)), ValueError, "must have x's shape"),
+    case("dequantize_nf4-plain-tensor", lambda c: F.dequantize_nf4(c.randn(4, 64)), TypeError,
+         "takes a torchao NF4Tensor, got Tensor"),
+]
 
 
 @pytest.mark.parametrize("call, exc, match", FUNCTIONAL_CASES)

@@ -117,6 +117,41 @@ def test_policy_trains_on_the_fused_loss_against_the_scored_reference(scored, tm
     assert "fused DPO loss" in deck and "eval reward accuracy" in deck and "<img" in deck
 
 
+@pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])
+def test_lora_policy_trains_on_the_fused_loss_and_saves_a_peft_adapter(scored, tmp_path, qlora):
+    """dpo with lora: the policy's adapters train (LoRA B starts at 0: step 1's loss is log 2 against the scored
+    base), on the fused DPO loss; the output is an adapter directory plain peft loads onto the base."""
+    pytest.importorskip("peft")
+    _, _, out = scored
+    settings = _settings(lora=True, qlora=qlora, lora_rank=4, lora_alpha=8.0, lr=1e-2)
+    metrics, preference = train_dpo(settings, out, str(tmp_path / "adapter"))
+    assert preference.fused_loss, preference.notes
+    assert any("PEFT: LoRA adapter(s) default" in note for note in preference.notes), preference.notes
+    # QLoRA's step-1 policy is the NF4-rounded base, the scored reference the full-precision one: near log 2
+    tolerance = 2e-2 if qlora else 2e-6 if DEVICE == "cpu" else 1e-3
+    assert metrics.loss_curve[0] == pytest.approx(math.log(2), abs=tolerance)
+    assert metrics.loss_curve[-1] != metrics.loss_curve[0]
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["base_model_name_or_path"] == "tiny-llama"
+    import peft
+    from fuseforge_flyte.data.tokenizer import load_tokenizer
+    from fuseforge_flyte.training.models import build_model
+
+    base = build_model("tiny-llama", seed=0, device=torch.device("cpu"), vocab_size=len(load_tokenizer("", "tiny-llama")))
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    trained = [p for n, p in adapted.named_parameters() if "lora_B" in n]
+    assert trained and any(p.abs().sum() > 0 for p in trained)  # the adapters moved away from B = 0
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(lora=True, lora_rank=0), "DPO.lora_rank must be >= 1"),
+    (dict(lora=True, lora_target_modules="nope"), "DPO.lora_target_modules: 'nope'"),
+])
+def test_bad_dpo_lora_settings_are_named(settings, message):
+    with pytest.raises(ValueError, match=message):
+        _settings(**settings).validate()
+
+
 def test_unfused_run_matches_the_fused_run(scored, tmp_path):
     _, _, out = scored
     fused, _ = train_dpo(_settings(), out, str(tmp_path / "fused"))

@@ -111,7 +111,10 @@ def dpo(model: str, dataset: DataSource = "builtin:preferences", reference_model
         steps: int = DPO_DEFAULTS.steps, batch_size: int = DPO_DEFAULTS.batch_size,
         grad_accum: int = DPO_DEFAULTS.grad_accum, lr: float = DPO_DEFAULTS.lr,
         warmup_steps: int = DPO_DEFAULTS.warmup_steps, eval_every: int = DPO_DEFAULTS.eval_every, seed: int = 0,
-        kernels: bool = True, loss_chunk_size: int = 0) -> DPOOutput:
+        kernels: bool = True, loss_chunk_size: int = 0, lora: bool = DPO_DEFAULTS.lora,
+        lora_rank: int = DPO_DEFAULTS.lora_rank, lora_alpha: float = DPO_DEFAULTS.lora_alpha,
+        lora_dropout: float = DPO_DEFAULTS.lora_dropout, lora_target_modules: str = DPO_DEFAULTS.lora_target_modules,
+        qlora: bool = DPO_DEFAULTS.qlora) -> DPOOutput:
     """Direct preference optimisation of a causal LM on prompt/chosen/rejected pairs (TRL's DPOTrainer on
     fuseforge's fused DPO loss). The reference log-probs come from a cached task run once per dataset and
     reference model; returns the training and preference metrics and the trained model.
@@ -137,6 +140,12 @@ def dpo(model: str, dataset: DataSource = "builtin:preferences", reference_model
     :param seed: data order and the initialisation of presets (policy and reference alike)
     :param kernels: fuseforge's kernels and fused DPO loss on
     :param loss_chunk_size: tokens per chunk of the fused loss (0 = fuseforge's default)
+    :param lora: train LoRA adapters (peft) on the frozen policy; the returned model is the adapter directory
+    :param lora_rank: the adapters' rank
+    :param lora_alpha: the adapters' alpha (output scaled by alpha / rank)
+    :param lora_dropout: dropout on the adapters' input
+    :param lora_target_modules: linear layers to adapt, comma-separated ("" = attention and MLP projections)
+    :param qlora: LoRA over NF4 (4-bit, torchao) base weights
     """
     fingerprint = fingerprint_data(dataset=dataset, eval_dataset="", tokenizer="", model="")
     pairs = prepare_preference_data(dataset=dataset, fingerprint=fingerprint, dataset_config=dataset_config,
@@ -146,7 +155,9 @@ def dpo(model: str, dataset: DataSource = "builtin:preferences", reference_model
     return dpo_train(data=scored, model=model, reference_model=reference_model, tokenizer=tokenizer, beta=beta,
                      loss_type=loss_type, label_smoothing=label_smoothing, max_length=max_length, steps=steps,
                      batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps,
-                     eval_every=eval_every, seed=seed, kernels=kernels, loss_chunk_size=loss_chunk_size)
+                     eval_every=eval_every, seed=seed, kernels=kernels, loss_chunk_size=loss_chunk_size, lora=lora,
+                     lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
+                     lora_target_modules=lora_target_modules, qlora=qlora)
 
 
 summary_only(train, compare, distill, dpo)

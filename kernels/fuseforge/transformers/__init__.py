@@ -12,6 +12,10 @@ head weight, never building [tokens, vocab] logits: same loss, gradients and met
 the full-vocabulary ones (`entropy`, DPO's `mean_token_accuracy`; one warning); a
 configuration they do not cover keeps TRL's loss, with one warning naming why.
 
+A peft.PeftModel (LoRA, QLoRA) is patched with every kernel, plus peft's LoRA linears as one op each, and
+the trainers' fused losses take PEFT policies (reference: the adapter disabled); see transformers/lora.py
+(also `quantize_base_nf4`, QLoRA's NF4 base weights). Tested with peft in TESTED_PEFT.
+
 Supported end to end (norms, RoPE, gated MLP, fused loss): see SUPPORTED_MODEL_TYPES.
 Other models get the modules whose code is recognised and a warning for the rest.
 Tested with transformers in TESTED_TRANSFORMERS and TRL in TESTED_TRL.
@@ -19,6 +23,7 @@ Tested with transformers in TESTED_TRANSFORMERS and TRL in TESTED_TRL.
 
 from fuseforge.transformers.auto import AutoFusedModelForCausalLM
 from fuseforge.transformers.families import SUPPORTED_MODEL_TYPES
+from fuseforge.transformers.lora import TESTED_PEFT, quantize_base_nf4
 from fuseforge.transformers.loss import Distillation, causal_lm_loss
 from fuseforge.transformers.patching import (
     DEFAULT_FLAGS,
@@ -65,6 +70,7 @@ __all__ = [
     "DEFAULT_FLAGS",
     "SUPPORTED_MODEL_TYPES",
     "TESTED_TRANSFORMERS",
+    "TESTED_PEFT",
     "TESTED_TRL",
     "TRAINER_POLICIES",
     "TrainerPolicy",
@@ -98,6 +104,7 @@ __all__ = [
     "get_patch_report",
     "is_patched",
     "patched",
+    "quantize_base_nf4",
     "set_loss_chunk_size",
     "unpatch",
 ]

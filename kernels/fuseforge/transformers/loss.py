@@ -253,11 +253,34 @@ def lm_head_of(model: nn.Module) -> nn.Module | None:
     return head if head is not None else model.get_output_embeddings()
 
 
+def head_modules(head: nn.Module) -> list[nn.Module]:
+    """The projections behind an lm_head: itself, or for peft's ModulesToSaveWrapper (a trainable copy of the
+    head per adapter: `modules_to_save=["lm_head"]`) its original and every copy."""
+    if _is_modules_to_save(head):
+        return [head.original_module, *head.modules_to_save.values()]
+    return [head]
+
+
+def active_head(head: nn.Module) -> nn.Module:
+    """The projection this forward computes with: for peft's ModulesToSaveWrapper, the one its forward picks
+    (the active adapter's copy; the original while adapters are disabled), else the head itself."""
+    if not _is_modules_to_save(head):
+        return head
+    adapters = head.active_adapters
+    if head.disable_adapters or not adapters or any(a not in head._adapters for a in adapters):
+        return head.original_module
+    return head.modules_to_save[adapters[0]]
+
+
+def _is_modules_to_save(head) -> bool:
+    return type(head).__name__ == "ModulesToSaveWrapper" and hasattr(head, "modules_to_save")
+
+
 def _fallback_reason(model: nn.Module) -> str | None:
     """Why the fused loss cannot stand in for this forward's loss right now, if it cannot."""
     if not is_stock_loss(model.loss_function):
         return "has a custom loss_function"
-    head = lm_head_of(model)
+    head = active_head(lm_head_of(model))
     if not isinstance(head, FusedLossHeadMixin):
         return "has an lm_head that was replaced after apply_kernels"
     if hasattr(head.weight, "ds_id") and not _gathered_for(model, head.weight):
@@ -315,7 +338,7 @@ def _fused_forward(self, original, args: tuple, kwargs: dict):
         raise ValueError(f"{type(self).__name__} caps or scales its logits ({spec.logit_softcap_attr or ''}"
                          f"{spec.logit_scale_attr or ''}); the fused JSD of distillation= does not apply that")
     request = _LossRequest(
-        head=lm_head_of(self),
+        head=active_head(lm_head_of(self)),
         labels=labels,
         shift_labels=shift_labels,
         ignore_index=kwargs.get("ignore_index", IGNORE_INDEX),

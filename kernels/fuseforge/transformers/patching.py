@@ -24,12 +24,14 @@ from fuseforge.transformers import rope as rope_patch
 from fuseforge.transformers._swap import is_fused, restore, swap
 from fuseforge.transformers.families import FAMILIES, Family, family_for_model_type
 from fuseforge.transformers.layers import plan, plan_decoder_layer
+from fuseforge.transformers.lora import FusedLoraLinearMixin, lora_layers, peft_notes, plan_lora
 from fuseforge.transformers.loss import (
     LOSS_SPEC_ATTR,
     FusedLossHeadMixin,
     LossSpec,
     causal_lm_loss,
     fused_forward_for,
+    head_modules,
     is_stock_loss,
     lm_head_of,
 )
@@ -209,11 +211,12 @@ def _patch_losses(model: nn.Module, family: Family | None, options: dict, state:
             lm.loss_function = causal_lm_loss
             report.add_patched("cross_entropy", f"{name}.loss_function")
         if options["fused_linear_cross_entropy"]:
-            head = lm_head_of(lm)
-            if type(head) is not nn.Linear:
+            heads = head_modules(lm_head_of(lm))
+            odd = [h for h in heads if type(h) is not nn.Linear and not isinstance(h, FusedLossHeadMixin)]
+            if odd:
                 report.add_skipped(
                     "fused_linear_cross_entropy",
-                    f"{name}.lm_head is {type(head).__name__}, not nn.Linear (e.g. wrapped by an adapter)",
+                    f"{name}.lm_head is {type(odd[0]).__name__}, not nn.Linear (e.g. wrapped by an adapter)",
                 )
                 continue
             if "forward" in lm.__dict__:
@@ -221,10 +224,34 @@ def _patch_losses(model: nn.Module, family: Family | None, options: dict, state:
                 continue
             setattr(lm, LOSS_SPEC_ATTR, spec)
             lm.forward = types.MethodType(fused_forward_for(type(lm)), lm)
-            swap(head, FusedLossHeadMixin)
-            state.swapped.append(head)
+            for head in heads:  # peft's modules_to_save: the original head and each adapter's trainable copy
+                if not isinstance(head, FusedLossHeadMixin):
+                    swap(head, FusedLossHeadMixin)
+                    state.swapped.append(head)
             state.forwards.append(lm)
-            report.add_patched("fused_linear_cross_entropy", f"{name} (lm_head)")
+            where = "lm_head" if len(heads) == 1 else f"lm_head and its {len(heads) - 1} modules_to_save copies"
+            report.add_patched("fused_linear_cross_entropy", f"{name} ({where})")
+
+
+def _patch_lora(model: nn.Module, options: dict, state: _State) -> None:
+    """peft's LoRA linears onto the fused LoRA linear (transformers/lora.py says when it runs); new ones only."""
+    if not options["lora"]:
+        return
+    for name, module in lora_layers(model):
+        if is_fused(module):
+            continue
+        reason = plan_lora(module)
+        if reason is not None:
+            state.report.add_skipped("lora", f"{name.rsplit('.', 1)[-1]}: {reason}")
+            continue
+        swap(module, FusedLoraLinearMixin)
+        state.swapped.append(module)
+        state.report.add_patched("lora", f"lora.Linear ({name.rsplit('.', 1)[-1]})")
+
+
+def _patched_inside(model: nn.Module) -> list[nn.Module]:
+    """Modules below `model` that carry their own patch (a model patched before peft wrapped it)."""
+    return [m for m in model.modules() if m is not model and _STATE_ATTR in m.__dict__]
 
 
 def _patch_instance(model: nn.Module, options: dict) -> PatchReport:
@@ -240,10 +267,12 @@ def _patch_instance(model: nn.Module, options: dict) -> PatchReport:
         if options["rope"]:
             _patch_rope(model, family, state, left)
         _patch_losses(model, family, options, state)
+        _patch_lora(model, options, state)
     except BaseException:
         _undo(state)
         raise
     setattr(model, _STATE_ATTR, state)
+    report.notes.extend(peft_notes(model))
     if report.needs_warning():
         warnings.warn(report.summary(), UserWarning, stacklevel=3)
     return report
@@ -330,13 +359,18 @@ def apply_kernels(
     fused_linear_cross_entropy: bool = True,
     cross_entropy: bool = False,
     layer_norm: bool = True,
+    lora: bool = True,
     loss_chunk_size: int | None = None,
 ) -> PatchReport:
     """Swap fuseforge's fused kernels into a Hugging Face model (instance) or model class.
 
     Flags: rms_norm, layer_norm, rope, swiglu (gated MLPs: SwiGLU and GeGLU, MoE experts),
     fused_linear_cross_entropy (training loss without logits), cross_entropy (the loss
-    when logits are computed).
+    when logits are computed), lora (peft's LoRA linears as one op each: see transformers/lora.py).
+
+    A peft.PeftModel is patched whole: every kernel as for the model inside, plus `lora`; a model
+    patched before peft added adapters keeps its kernels, and apply_kernels on the PeftModel then
+    takes over that patch (and fuses the LoRA layers). The report's notes say what PEFT changes.
 
     loss_chunk_size: tokens per chunk of the fused loss head (None: the op's default,
     64 MiB of logits or the size of the hidden states, at least 256 tokens). Bigger
@@ -369,6 +403,7 @@ def apply_kernels(
             swiglu=swiglu,
             fused_linear_cross_entropy=fused_linear_cross_entropy,
             cross_entropy=cross_entropy,
+            lora=lora,
         )
     )
     options = {**flags, "loss_chunk_size": _check_loss_chunk_size(loss_chunk_size, fused_linear_cross_entropy)}
@@ -385,9 +420,12 @@ def apply_kernels(
             f"model_or_class must be an nn.Module or an nn.Module class, got {type(model_or_class).__name__} "
             "(a built transformers.Trainer or TRL trainer is accepted too)"
         )
+    for inner in _patched_inside(model_or_class):  # patched, then wrapped (peft): patch the whole instead
+        unpatch(inner)
     state = model_or_class.__dict__.get(_STATE_ATTR)
     if state is not None:
         if state.options == options:
+            _patch_lora(model_or_class, options, state)  # adapters added since
             return state.report
         unpatch(model_or_class)
     return _patch_instance(model_or_class, options)

@@ -6,7 +6,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 # The flags of apply_kernels, in the order reports list them.
-KERNEL_FLAGS = ("rms_norm", "layer_norm", "rope", "swiglu", "fused_linear_cross_entropy", "cross_entropy")
+KERNEL_FLAGS = ("rms_norm", "layer_norm", "rope", "swiglu", "fused_linear_cross_entropy", "cross_entropy", "lora")
+
+# Flags that act on adapters (peft), which most models have none of: "nothing to patch" goes unsaid.
+ADAPTER_FLAGS = ("lora",)
 
 
 @dataclass
@@ -71,7 +74,7 @@ class PatchReport:
             for reason in self.skipped.get(kernel, []):
                 known = " (a known limitation for this family)" if reason in self.known_limits else ""
                 lines.append(f"  {kernel}: NOT patched: {reason}{known}")
-            if not done and not self.skipped.get(kernel):
+            if not done and not self.skipped.get(kernel) and kernel not in ADAPTER_FLAGS:
                 lines.append(f"  {kernel}: nothing to patch")
             if kernel == "fused_linear_cross_entropy" and self.loss_chunk_size is not None:
                 lines.append(f"  {kernel}: {self.loss_chunk_size} tokens per chunk (loss_chunk_size)")

@@ -29,7 +29,7 @@ class hierarchy (so subclasses inherit their parent's entry):
   evaluation keeps TRL's path and logs them). Anything else falls back to TRL's own loss with
   one warning naming the reason (`_dpo_unsupported` holds the checks): another or several loss
   types, f-divergences, `ld_alpha`, WPO weighting, a MoE router loss, padding-free batches,
-  vision inputs, PEFT, Liger, context / sequence parallelism, FSDP or DeepSpeed (DDP runs
+  vision inputs, Liger, context / sequence parallelism, FSDP or DeepSpeed (DDP runs
   fused: the loss is computed inside the DDP wrapper's forward, see `_forward_as`), a model
   that scales or caps its logits, a subclass overriding `compute_loss` / `_compute_loss`.
   `fused_linear_cross_entropy=False` keeps TRL's loss without a warning.
@@ -40,14 +40,14 @@ class hierarchy (so subclasses inherit their parent's entry):
   not logged in training (one warning). Generation and TRL's scoring of old / reference
   log-probs between updates stay TRL's. Falls back with one warning for other loss types,
   `off_policy_mask_threshold`, `top_entropy_quantile < 1`, an entropy bonus, vLLM, vision
-  inputs, `cast_lm_head_to_fp32`, PEFT references and the settings listed for DPO (MoE,
+  inputs, `cast_lm_head_to_fp32` and the settings listed for DPO (MoE,
   Liger, parallelism, FSDP / DeepSpeed, logit scaling, overrides); batches with a `tool_mask`
   take TRL's loss (one warning).
 - TRL's `KTOTrainer` likewise trains on fuseforge's `fused_linear_kto_loss` (loss types kto and
   apo_zero_unpaired, desirable / undesirable weights), its KL estimate from `fused_linear_kto_kl`
   on the mismatched completions TRL's collator builds, averaged over ranks as TRL does; reference
   log-probs precomputed or from the reference model. Metrics as TRL's, but `entropy` (one
-  warning). Falls back with one warning as listed for DPO (MoE, PEFT, vision, padding-free,
+  warning). Falls back with one warning as listed for DPO (MoE, vision, padding-free,
   FSDP / DeepSpeed, logit scaling, overrides).
 - TRL's `RLOOTrainer`, `GKDTrainer`, `DistillationTrainer` and
   `RewardTrainer` compute their loss themselves (from per-token log-probabilities or
@@ -55,6 +55,11 @@ class hierarchy (so subclasses inherit their parent's entry):
   and get no fused loss, so their numbers are unchanged.
 - A trainer that overrides `compute_loss` below its known ancestor might read
   `outputs.logits`: its model gets no fused loss either, with a warning.
+
+PEFT policies (a `peft.PeftModel`, e.g. from the trainer's `peft_config`) run these fused losses too: without a
+reference model, the reference is the policy with its adapter disabled (TRL's "ref" adapter when TRL made one),
+its last hidden states computed under `no_grad` and fed to the same fused loss with the frozen LM head, so no
+[tokens, vocab] logits are built for it either (GRPO's reference log-probs stay TRL's, scored between updates).
 
 A trainer-specific fused loss (preference, RL) plugs in as the `adapt` of its TRAINER_POLICIES
 entry, which runs on the patched model and may replace the trainer's loss computation.
@@ -77,6 +82,8 @@ import torch
 from torch import nn
 
 from fuseforge.ops._shared.loss_args import IGNORE_INDEX
+from fuseforge.transformers.lora import inner_model, is_peft_model
+from fuseforge.transformers.loss import active_head
 from fuseforge.ops.grpo import fused_linear_grpo_loss
 from fuseforge.ops.preference import fused_linear_dpo_loss, fused_linear_kto_kl, fused_linear_kto_loss
 from fuseforge.transformers.loss import LOGIT_TRANSFORMS, LOSS_SPEC_ATTR
@@ -258,9 +265,12 @@ def _overrides_below(trainer, known: str, names: tuple[str, ...]) -> str | None:
 
 
 def _backbone(model: nn.Module):
-    """(the decoder that returns last_hidden_state, the LM head) of a causal LM, or None."""
+    """(the decoder that returns last_hidden_state, the LM head) of a causal LM (inside a PeftModel: its
+    transformers model, whose adapted layers peft injected in place), or None."""
+    model = inner_model(model)
     base = getattr(model, "base_model", None)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = active_head(head) if head is not None else None  # peft's modules_to_save: the copy in use
     if not isinstance(base, nn.Module) or base is model or head is None or not isinstance(
         getattr(head, "weight", None), torch.Tensor
     ):
@@ -295,7 +305,7 @@ def _dpo_unsupported(trainer, model: nn.Module) -> str | None:
 def _reference_unsupported(trainer) -> str | None:
     """Why the fused preference losses cannot take this trainer's reference (None: they can): they need
     precomputed log-probs or a reference causal LM whose head gives plain logits."""
-    if getattr(trainer, "precompute_ref_logps", False):
+    if getattr(trainer, "precompute_ref_logps", False) or _adapter_reference(trainer):
         return None
     ref = _unwrap(trainer, getattr(trainer, "ref_model", None))
     if not isinstance(ref, nn.Module) or _backbone(ref) is None:
@@ -307,7 +317,7 @@ def _reference_unsupported(trainer) -> str | None:
 
 
 def _common_unsupported(trainer, model: nn.Module, known: str) -> str | None:
-    """Settings no fused trainer loss covers (MoE router loss, Liger, parallelism, PEFT, logit scaling, overrides)."""
+    """Settings no fused trainer loss covers (MoE router loss, Liger, parallelism, logit scaling, overrides)."""
     args = trainer.args
     if getattr(trainer, "aux_loss_enabled", False):
         return "the MoE router load-balancing loss is added by TRL's fused LM head"
@@ -319,8 +329,6 @@ def _common_unsupported(trainer, model: nn.Module, known: str) -> str | None:
         return "context / sequence parallelism shards the sequences before the loss"
     if getattr(trainer, "is_deepspeed_enabled", False) or getattr(trainer, "is_fsdp_enabled", False):
         return "FSDP / DeepSpeed shard the LM head weight, which the fused loss reads whole"
-    if "peft" in sys.modules and any(type(m).__module__.startswith("peft.") for m in (model, trainer.model)):
-        return "a PEFT model (its reference is the model with the adapter disabled)"
     text_config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     scaled = [name for name in LOGIT_TRANSFORMS if getattr(text_config, name, None) not in (None, 1, 1.0)]
     if scaled:
@@ -362,13 +370,27 @@ def _forward_as(module: nn.Module, fn):
 _MISSING = object()
 
 
+def _adapter_reference(trainer) -> bool:
+    """Whether the reference is the policy's PeftModel with its adapter disabled (or its "ref" adapter), as TRL
+    does when a PEFT policy comes without a reference model."""
+    return getattr(trainer, "ref_model", None) is None and is_peft_model(_unwrap(trainer, trainer.model))
+
+
 def _reference(trainer, kwargs: dict, precomputed: torch.Tensor | None, device) -> dict:
     """The reference arguments of a fused preference loss: TRL's precomputed per-sequence log-prob sums, or the
-    frozen reference model's last hidden states and head (computed here without gradient)."""
+    frozen reference model's last hidden states and head (computed here without gradient); for a PEFT policy
+    without a reference model, the policy's with its adapter disabled (TRL's "ref" adapter where it made one)."""
     if trainer.precompute_ref_logps:
         return {"ref_logps": precomputed.to(device)}
-    with torch.no_grad(), _no_checkpointing(trainer):
-        ref_hidden, ref_head = _last_hidden(_unwrap(trainer, trainer.ref_model), kwargs)
+    adapter = contextlib.nullcontext()
+    ref_model = _unwrap(trainer, trainer.ref_model)
+    if _adapter_reference(trainer):
+        from trl.trainer.utils import use_adapter
+
+        ref_model = _unwrap(trainer, trainer.model)
+        adapter = use_adapter(ref_model, adapter_name="ref" if "ref" in ref_model.peft_config else None)
+    with torch.no_grad(), _no_checkpointing(trainer), adapter:
+        ref_hidden, ref_head = _last_hidden(ref_model, kwargs)
     return {"ref_hidden": ref_hidden.to(device), "ref_weight": ref_head.weight, "ref_bias": ref_head.bias}
 
 
@@ -608,8 +630,6 @@ def _grpo_unsupported(trainer, model: nn.Module) -> str | None:
         return "vision-language inputs"
     if getattr(args, "cast_lm_head_to_fp32", False):
         return "GRPOConfig(cast_lm_head_to_fp32=True)"
-    if getattr(trainer, "beta", 0.0) != 0.0 and getattr(trainer, "ref_model", None) is None:
-        return "the reference log-probs come from the model with its adapter disabled (PEFT)"
     return _common_unsupported(trainer, model, "GRPOTrainer")
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional
 
 from fuseforge_flyte.posttrain.preferences import load_prepared
@@ -65,6 +65,13 @@ class DPOSettings:
     seed: int = 0
     kernels: bool = True
     loss_chunk_size: int = 0  # 0 = fuseforge's default
+    # LoRA (training/lora.py): the policy trains peft adapters; the output model is the adapter directory
+    lora: bool = False
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: str = ""  # "": the family's attention and MLP projections
+    qlora: bool = False  # NF4 (torchao) base weights; turns lora on
     extra: Dict[str, Any] = field(default_factory=dict)  # further DPOConfig fields, passed as given
 
     def validate(self) -> "DPOSettings":
@@ -84,6 +91,9 @@ class DPOSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"DPO {name} must be an integer >= 0, got {value!r}")
+        from fuseforge_flyte.training import lora
+
+        lora.check(self, "DPO")
         return self
 
     @property
@@ -256,10 +266,18 @@ def dpo_trainer(settings: DPOSettings, data_dir: str, *, callbacks=()):
     check_scored(data_dir, settings)
     data = load_prepared(data_dir)
     tokenizer, model = _tokenizer_and_model(settings.model, settings)
+    from fuseforge_flyte.training import lora
+
+    if lora.lora_on(settings):  # a LoRA policy; the reference log-probs were scored on the base (precomputed)
+        model = lora.attach(model, replace(settings, qlora=False), frozen_dtype=None, log_it=True)
     trainer = _scored_trainer_class()(
         model=model, args=dpo_config(settings, tempfile.mkdtemp(prefix="fuseforge-dpo-"), has_eval="eval" in data),
         train_dataset=data["train"], eval_dataset=data.get("eval"), processing_class=tokenizer,
         callbacks=list(callbacks))
+    if settings.qlora:  # after TRL hashed the model's state (it cannot read NF4 tensors)
+        from fuseforge.transformers.lora import quantize_base_nf4
+
+        quantize_base_nf4(trainer.model)
     return trainer, tokenizer, _patch(trainer, settings)
 
 

@@ -88,8 +88,11 @@ def reference_logps(data: FlyteDirectory, model: str, reference_model: str, toke
 def dpo_train(data: FlyteDirectory, model: str, reference_model: str, tokenizer: str, beta: float,
               loss_type: DPOLossType,
               label_smoothing: float, max_length: int, steps: int, batch_size: int, grad_accum: int, lr: float,
-              warmup_steps: int, eval_every: int, seed: int, kernels: bool, loss_chunk_size: int) -> DPOOutput:
-    """Train the policy with TRL's DPOTrainer on the scored pairs (fused DPO loss with kernels on)."""
+              warmup_steps: int, eval_every: int, seed: int, kernels: bool, loss_chunk_size: int,
+              lora: bool = False, lora_rank: int = 16, lora_alpha: float = 32.0, lora_dropout: float = 0.0,
+              lora_target_modules: str = "", qlora: bool = False) -> DPOOutput:
+    """Train the policy with TRL's DPOTrainer on the scored pairs (fused DPO loss with kernels on; LoRA adapters
+    with lora/qlora, whose reference is the scored base model)."""
     from fuseforge_flyte.posttrain.dpo import train_dpo
 
     settings = _settings(dict(locals()))

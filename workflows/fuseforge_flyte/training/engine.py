@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from fuseforge_flyte.console import ensure_console_logging
-from fuseforge_flyte.training import faults, fp8
+from fuseforge_flyte.training import faults, fp8, lora
 from fuseforge_flyte.training import permanent, planner, preemption, tracking
 from fuseforge_flyte.training.checkpoint import CheckpointManager, run_settings
 from fuseforge_flyte.training.compilation import compile_layers
@@ -117,6 +117,9 @@ class _Run:
         # the data first: a bad dataset fails before any model is built, wrapped or sharded
         self.data = open_training_data(spec, ctx)
         model = _build_model_for(spec, self.data, ctx.device)
+        self.lora = lora.lora_on(spec)
+        if self.lora:  # adapters on the frozen base, before the kernels (which then fuse the LoRA layers too)
+            model = lora.attach(model, spec, frozen_dtype=lora.frozen_dtype(spec, ctx.device), log_it=ctx.is_main)
         if self.data is not None:
             self.dataset, self.eval_dataset = self.data.train, self.data.eval
         else:
@@ -142,7 +145,7 @@ class _Run:
             planner.set_activation_checkpointing(model, 1)
         if spec.compile:  # the final layers (kernels, fp8, checkpointing), before the strategy wraps them
             compile_layers(model, log_it=ctx.is_main)
-        self.flops = model_flops(model, spec.seq_len)
+        self.flops = model_flops(lora.inner(model), spec.seq_len)
         fingerprint = _fingerprint(model)
         self.strategy: Strategy = make_strategy(spec, ctx, model)
         self.history = History()
@@ -371,8 +374,11 @@ class _Run:
         """Write the trained model (and the data's tokenizer) as a Hugging Face directory; its path on rank 0."""
         from fuseforge_flyte.training.export import save_pretrained_model
 
-        out = save_pretrained_model(self.strategy, self.ctx, self.spec.output_dir,
-                                    tokenizer_dir=self.data.tokenizer_dir if self.data is not None else None)
+        tokenizer_dir = self.data.tokenizer_dir if self.data is not None else None
+        if self.lora:  # the adapter directory (PEFT format), merged model on request
+            out = lora.save_adapter(self.strategy, self.ctx, self.spec, self.spec.output_dir, tokenizer_dir)
+        else:
+            out = save_pretrained_model(self.strategy, self.ctx, self.spec.output_dir, tokenizer_dir=tokenizer_dir)
         if self.ctx.is_main:
             log.info("saved the trained model to %s", out)
         return out or ""

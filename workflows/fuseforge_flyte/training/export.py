@@ -321,6 +321,13 @@ def save_pretrained_model(strategy, ctx: DistContext, out_dir: str, tokenizer_di
     """
     if not out_dir:
         raise ValueError("save_pretrained_model: out_dir is empty")
+    return write_on_rank0(strategy, ctx, out_dir,
+                          lambda state: _write(strategy.inner, state, out_dir, tokenizer_dir, max_shard_size))
+
+
+def write_on_rank0(strategy, ctx: DistContext, out_dir: str, write) -> Optional[str]:
+    """Gather the strategy's full state (collective), `write(state)` on rank 0; the others wait for it and raise
+    if it failed, so no rank goes on alone. `write`'s return value on rank 0, else None."""
     state = strategy.full_state_dict()
     failure: Optional[BaseException] = None
     written = None
@@ -329,7 +336,7 @@ def save_pretrained_model(strategy, ctx: DistContext, out_dir: str, tokenizer_di
             failure = ExportError(f"{type(strategy).__name__}.full_state_dict() gave nothing on rank 0")
         else:
             try:
-                written = _write(strategy.inner, state, out_dir, tokenizer_dir, max_shard_size)
+                written = write(state)
             except Exception as err:  # told to the other ranks below, then re-raised here
                 failure = err
         del state

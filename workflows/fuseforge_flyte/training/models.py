@@ -97,10 +97,18 @@ def is_known_model(name: str) -> bool:
     """A preset, an existing local path (or file:// URI), an fsspec URI, or something shaped like an HF id."""
     if name in PRESETS:
         return True
+    name = _base_of_adapter(name)
     local = local_path(name)
     if local:
         return os.path.exists(local) or (not is_uri(name) and _looks_like_hf_id(name))
     return is_uri(name) and _known_protocol(name)
+
+
+def _base_of_adapter(name: str) -> str:
+    """A peft adapter directory stands for its base model here (training/lora.py adds the adapter)."""
+    from fuseforge_flyte.training.lora import base_source
+
+    return base_source(name)
 
 
 def _looks_like_hf_id(name: str) -> bool:
@@ -158,6 +166,7 @@ def load_config(name: str, vocab_size: Optional[int] = None):
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    name = _base_of_adapter(name)
     if name in PRESETS:
         model_type, kwargs = PRESETS[name]
         if vocab_size is not None:
@@ -306,6 +315,7 @@ def build_model(name: str, *, seed: int, device: torch.device, vocab_size: Optio
     """
     from transformers import AutoModelForCausalLM
 
+    name = _base_of_adapter(name)
     pretrained = _pretrained_dir(name)
     if pretrained is not None:
         config = load_config(pretrained)

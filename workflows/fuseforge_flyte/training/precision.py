@@ -128,12 +128,13 @@ class MasterWeights:
         return {k: (self._by_param.get(id(v), v)).detach() for k, v in state.items()}
 
     @torch.no_grad()
-    def load_state_dict(self, model: torch.nn.Module, state: Dict[str, torch.Tensor]) -> None:
-        """Load a `state_dict()` of this class: masters exactly, the model's parameters rounded from them."""
-        model.load_state_dict(state)
+    def load_state_dict(self, model: torch.nn.Module, state: Dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load a `state_dict()` of this class: masters exactly, the model's parameters rounded from them
+        (strict=False: a part of it, e.g. LoRA's trained parameters only)."""
+        model.load_state_dict(state, strict=strict)
         for key, value in model.state_dict(keep_vars=True).items():
             master = self._by_param.get(id(value))
-            if master is not None:
+            if master is not None and key in state:
                 master.copy_(state[key])
         self.refresh_model()
 

@@ -49,7 +49,7 @@ class TrainSpec:
     grad_clip: float = _setting(1.0, "max global gradient norm; 0 disables clipping")
     kernels: bool = _setting(True, "swap fuseforge's fused Triton kernels into the model")
     skip_kernels: str = _setting("", "comma-separated kernels to leave out when kernels is on: rms_norm, "
-                                 "layer_norm, rope, swiglu, fused_linear_cross_entropy")
+                                 "layer_norm, rope, swiglu, fused_linear_cross_entropy, lora")
     loss_chunk_size: int = _setting(0, "tokens per chunk of the fused loss head (with kernels); 0: fuseforge's "
                                     "default. Bigger chunks: faster, more peak memory")
     teacher: str = _setting("", "distill from this model (a preset, Hugging Face id or directory with the student's "
@@ -59,6 +59,17 @@ class TrainSpec:
     distill_beta: float = _setting(0.5, "with a teacher: the generalized JSD's beta, 0 (forward KL, teacher || "
                                    "student) to 1 (reverse KL)")
     distill_temperature: float = _setting(1.0, "with a teacher: softmax temperature of both distributions in the JSD")
+    lora: bool = _setting(False, "train LoRA adapters (peft) on the frozen model instead of every weight; the "
+                          "output model is then the adapter directory (PEFT format)")
+    lora_rank: int = _setting(16, "with lora: the adapters' rank r")
+    lora_alpha: float = _setting(32.0, "with lora: the adapters' alpha (their output is scaled by alpha / rank)")
+    lora_dropout: float = _setting(0.0, "with lora: dropout on the adapters' input, 0 to <1")
+    lora_target_modules: str = _setting("", "with lora: comma-separated names of the linear layers to adapt (e.g. "
+                                        "q_proj,v_proj) or all-linear; empty: the family's attention and MLP "
+                                        "projections")
+    qlora: bool = _setting(False, "LoRA over 4-bit NF4 base weights (torchao; turns lora on; strategy ddp)")
+    lora_merge: bool = _setting(False, "with lora: the output model is the base with the adapters merged in (a "
+                                "Hugging Face directory), the adapter directory inside it under adapter/")
     strategy: str = _setting("ddp", "data parallelism: ddp, fsdp (FSDP2, sharded) or deepspeed (ZeRO)")
     zero_stage: int = _setting(2, "DeepSpeed ZeRO stage (1, 2 or 3) when strategy is deepspeed")
     offload: bool = _setting(False, "DeepSpeed: offload optimizer state and parameters to CPU memory")

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from fuseforge_flyte.training import optim
+from fuseforge_flyte.training import lora, optim
 from fuseforge_flyte.training.distributed import DistContext
 from fuseforge_flyte.training.lm_head import install_lm_head_guard
 from fuseforge_flyte.training.precision import MasterWeights, master_dtype_for
@@ -78,6 +78,8 @@ class Strategy:
         self.ctx = ctx
         self.fused_loss = fused_loss  # fuseforge's fused loss computes from lm_head.weight directly
         self.dtype = compute_dtype(spec, ctx.device)
+        # LoRA: frozen weights are rebuilt from the model source on resume; state holds the trained ones only
+        self.trained_only = lora.lora_on(spec)
         self.model: torch.nn.Module  # what forward is called on
         self.inner: torch.nn.Module  # the Hugging Face model inside the wrapper
 
@@ -246,8 +248,9 @@ class DDPStrategy(_TorchOptimized):
         super().discard_step()
 
     def _model_state(self) -> Dict[str, torch.Tensor]:
-        """The model's weights in fp32: the masters where the model holds bf16 copies."""
-        return self.masters.state_dict(self.inner) if self.masters is not None else self.inner.state_dict()
+        """The model's weights in fp32: the masters where the model holds bf16 copies (LoRA: the trained ones)."""
+        state = self.masters.state_dict(self.inner) if self.masters is not None else self.inner.state_dict()
+        return lora.trained_keys(self.inner, state) if self.trained_only else state
 
     def save(self, directory: str) -> None:
         if self.ctx.is_main:
@@ -260,7 +263,11 @@ class DDPStrategy(_TorchOptimized):
     def load(self, directory: str) -> None:
         device = self.ctx.device
         state = _weights_only_load(os.path.join(directory, "model.pt"), device)
-        if self.masters is not None:
+        if self.trained_only:  # the frozen base is as built; the masters (if any) cover the trained parameters
+            lora.load_trained(self.inner, state, "checkpoint")
+            if self.masters is not None:
+                self.masters.load_state_dict(self.inner, state, strict=False)
+        elif self.masters is not None:
             self.masters.load_state_dict(self.inner, state)
         else:
             self.inner.load_state_dict(state)
@@ -316,7 +323,7 @@ class FSDPStrategy(_TorchOptimized):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=os.path.join(directory, "dcp"))
         if self.ctx.is_main:
             torch.save(self.scheduler.state_dict(), os.path.join(directory, "scheduler.pt"))
@@ -325,12 +332,20 @@ class FSDPStrategy(_TorchOptimized):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
         state = {"model": model_state, "optim": optim_state}
         dcp.load(state, checkpoint_id=os.path.join(directory, "dcp"))
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=self._state_options())
         self.scheduler.load_state_dict(_weights_only_load(os.path.join(directory, "scheduler.pt"), "cpu"))
+
+    def _state_options(self, **kwargs):
+        """torch's state-dict options; LoRA: frozen parameters left out (and not expected back on load)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        if self.trained_only:
+            kwargs.update(ignore_frozen_params=True, strict=False)
+        return StateDictOptions(**kwargs)
 
     def full_state_dict(self) -> Optional[Dict[str, torch.Tensor]]:
         """The fp32 shards all-gathered one tensor at a time and moved to rank 0's CPU (the others get nothing).
@@ -338,9 +353,9 @@ class FSDPStrategy(_TorchOptimized):
         torch's get_model_state_dict already drops FSDP/checkpoint-wrapper name parts;
         plain_key is applied again so that every strategy's keys come out the same way.
         """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(self.model, options=self._state_options(full_state_dict=True, cpu_offload=True))
         if not self.ctx.is_main:
             return None
         return {plain_key(k): _cpu(v) for k, v in state.items()}

@@ -25,10 +25,10 @@ CHOICES = {
 }
 # apply_kernels' switches a run may turn off (fuseforge.transformers.DEFAULT_FLAGS, minus cross_entropy, which
 # only serves models whose loss computes logits: it is off there by default).
-KERNEL_SWITCHES = ("rms_norm", "layer_norm", "rope", "swiglu", "fused_linear_cross_entropy")
+KERNEL_SWITCHES = ("rms_norm", "layer_norm", "rope", "swiglu", "fused_linear_cross_entropy", "lora")
 POSITIVE = ("steps", "batch_size", "grad_accum", "keep_last", "log_every")
 NON_NEGATIVE = ("warmup_steps", "checkpoint_every", "weight_decay", "grad_clip", "seed", "loss_chunk_size",
-                "eval_every")
+                "eval_every")  # the lora_* settings: training/lora.py's check
 
 
 def _check_types(spec) -> None:
@@ -71,6 +71,9 @@ def validate_spec(spec) -> None:
     if not spec.model or not is_known_model(spec.model):
         raise ValueError(unknown_model_message(spec.model))
     _check_distillation(spec)
+    from fuseforge_flyte.training import lora
+
+    lora.check(spec)
     _check_fp8_and_compile(spec)
     _check_data(spec)
     if spec.checkpoint_every > 0 and spec.checkpoint_dir == CHECKPOINT_OFF:
