@@ -79,7 +79,8 @@ def test_own_jsonl_is_uploaded_trained_on_and_its_preparation_cached(runs):
     again = run_remote(folder, WORKFLOWS, "train", "--dataset", str(folder / "own.jsonl"), *SMALL)
     changed = write_jsonl(folder / "changed.jsonl", chat_rows(40, offset=100))
     # The project's CLI: the same run through `python -m fuseforge_flyte.cli run --remote` (pyflyte underneath).
-    env = dict(os.environ, FLYTECTL_CONFIG=str(flyte_config_path()), FUSEFORGE_IMAGE_CHECK="off")
+    env = dict(os.environ, FLYTECTL_CONFIG=str(flyte_config_path()), FUSEFORGE_IMAGE_CHECK="off",
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")  # the activated virtualenv
     cli = subprocess.run(
         [sys.executable, "-m", "fuseforge_flyte.cli", "--config", str(cluster_toml(folder)), "--set", "image.tag=local",
          "run", "--remote", "train", "--dataset", str(changed), *SMALL],
@@ -101,7 +102,7 @@ def test_bad_data_fails_in_preparation_naming_the_row_and_no_training_pod_starts
     error = execution_error(execution)
     assert "example 12 of" in error and "bad.jsonl" in error and "'content'" in error, error[-2000:]
     node = task_node(execution, "prepare_data")
-    assert node.closure.phase == 4  # NodeExecution.Phase FAILED
+    assert node.closure.phase == 5  # NodeExecution.Phase FAILED
     pods = audited_creations("pods", runs[1]["bad"])
     assert pods and not any(p["spec"].get("serviceAccountName") == "fuseforge-training" for p in pods)
     assert not audited_creations("pytorchjobs", runs[1]["bad"])
