@@ -57,11 +57,21 @@ def _hash_remote(uri: str, digest) -> None:
     for name in sorted(found):
         if name.endswith(WEIGHT_FILE_SUFFIXES):
             continue
-        info = found[name]
-        identity = {key: str(info[key]) for key in sorted(info) if key.lower() in
-                    ("etag", "version_id", "generation", "md5hash", "crc32c", "size", "mtime", "last_modified",
-                     "updated", "lastmodified")}
-        digest.update(json.dumps([name, identity], sort_keys=True).encode())
+        digest.update(json.dumps([name, object_identity(found[name])], sort_keys=True).encode())
+
+
+# What a store says about an object's bytes, and what only says when it was written.
+_CONTENT_KEYS = ("etag", "md5hash", "crc32c")
+_WRITE_KEYS = ("version_id", "generation", "mtime", "last_modified", "updated", "lastmodified")
+
+
+def object_identity(info: dict) -> dict:
+    """The fields of an object's metadata that identify its contents: the size and a content hash (ETag, MD5,
+    CRC32C) when the store gives one, so that the same bytes uploaded again (`pyflyte run --remote` uploads a
+    local file on every run) keep their fingerprint; else the write time and version, which change with it."""
+    fields = {key.lower(): str(value) for key, value in info.items()}
+    chosen = [k for k in _CONTENT_KEYS if k in fields] or [k for k in _WRITE_KEYS if k in fields]
+    return {key: fields[key] for key in sorted(chosen + (["size"] if "size" in fields else []))}
 
 
 def _assets_root() -> str:
