@@ -6,6 +6,7 @@ own-code task decorator.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -22,7 +23,7 @@ from flytekit.types.file import FlyteFile
 from flytekitplugins.kfpytorch.task import Elastic, PytorchElasticFunctionTask
 from kubernetes.client import V1PodSpec, V1Toleration
 
-from fuseforge_flyte import flyte_checkpoint
+from fuseforge_flyte import flyte_checkpoint, run_outputs
 from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, PlatformConfig
 from fuseforge_flyte.image import training_image
 from fuseforge_flyte.training import permanent
@@ -48,9 +49,11 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
 
     A str input named `checkpoint_dir` left empty gets, on a cluster, a local directory that holds the
     previous attempt's checkpoints and is mirrored to the task's own Flyte checkpoint (see flyte_checkpoint).
+    A str input named `output_dir` left empty gets, locally, a new ./outputs/<model>-<UTC time> (run_outputs).
     """
 
     checkpoint_input = "checkpoint_dir"
+    output_input = "output_dir"
 
     def execute(self, **kwargs: Any) -> Any:
         for name, value in kwargs.items():  # fetched once per pod, not once per worker racing on one path
@@ -62,13 +65,19 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
         # addresses (see fuseforge_flyte.training.distributed); pods also get it from `environment`.
         launch_env = {SHARED_STORE_ENV: "1"}
         launcher: Any = super()
+        temp_root: Any = contextlib.nullcontext()
         state = FlyteContextManager.current_context().execution_state
         if state is not None and state.is_local_execution():
             launcher = self._one_local_node(launch_env)
+            launch_env[run_outputs.LOCAL_RUN_ENV] = "1"
+            run_outputs.remove_temp_dirs_at_exit()
+            temp_root = run_outputs.private_temp_dir()
+            if kwargs.get(self.output_input) == "":
+                kwargs[self.output_input] = run_outputs.new_output_dir("", str(kwargs.get("model") or "run"))
         elif kwargs.get(self.checkpoint_input) == "":
             kwargs[self.checkpoint_input] = self._default_checkpoint_dir(launch_env) or CHECKPOINT_OFF
         # an explicit user setting wins over the launch's own
-        with environment(launch_env, override=False), permanent.failure_directory():
+        with temp_root, environment(launch_env, override=False), permanent.failure_directory():
             result = launcher.execute(**kwargs)
         permanent.raise_if_failed(result)  # a failure that restarts cannot fix: raised once, not retried
         return result

@@ -10,6 +10,10 @@ from typing import List, Sequence
 def generate(model_dir: str, prompts: Sequence[str], *, max_new_tokens: int = 32) -> List[str]:
     """Greedy answers to each prompt, as a user turn through the chat template when there is one."""
     import torch
+
+    from fuseforge_flyte.quiet import quiet_third_party
+
+    quiet_third_party(cuda=False)  # before transformers loads its model code; generation runs on the CPU
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -18,6 +18,7 @@ run the Triton kernels through the interpreter.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from typing import Any, List, NamedTuple, Union
 
@@ -25,12 +26,14 @@ from flytekit import Deck, task
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
+from fuseforge_flyte import run_outputs
 from fuseforge_flyte.comparison import Comparison, compare_metrics
 from fuseforge_flyte.config import get_config
 from fuseforge_flyte.console import ensure_console_logging
 from fuseforge_flyte.inputs import DataFormat, spec_values, summary_only, training_inputs
 from fuseforge_flyte.launch import (data_task_options, on_every_worker, summary_task_options,
                                     training_task_options)
+from fuseforge_flyte.run_outputs import returned_directory, task_output_dir
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 
 
@@ -60,6 +63,12 @@ DATA_CACHE_VERSION = "2"
 class TrainOutput(NamedTuple):
     metrics: TrainMetrics
     model: FlyteDirectory
+
+    def __repr__(self) -> str:
+        """The metrics' summary, which names where the model went (pyflyte prints outputs through repr)."""
+        return str(self.metrics)
+
+    __str__ = __repr__
 
 
 def source_path(dataset: DataSource) -> str:
@@ -99,17 +108,17 @@ def prepare_data(
     from fuseforge_flyte.data.spec import DataSpec
     from fuseforge_flyte.training.data import BENCHMARK_DATASETS, write_benchmark_marker
 
-    out_dir = tempfile.mkdtemp(prefix="fuseforge-data-")
+    out_dir = task_output_dir("data")
     source = source_path(dataset)
     if source in BENCHMARK_DATASETS:
         write_benchmark_marker(out_dir, source)
-        return FlyteDirectory(path=out_dir)
+        return returned_directory(out_dir)
     spec = DataSpec(dataset=source, model=model, seq_len=seq_len, tokenizer=tokenizer, data_format=data_format.value,
                     dataset_config=dataset_config, dataset_split=dataset_split, eval_fraction=eval_fraction,
                     eval_dataset=eval_dataset, packing=packing, seed=seed).validate()
     ensure_console_logging()
     prepare(spec, out_dir)
-    return FlyteDirectory(path=out_dir)
+    return returned_directory(out_dir)
 
 
 def _train_on_worker(spec: TrainSpec) -> TrainOutput:
@@ -129,11 +138,13 @@ def _train_on_worker(spec: TrainSpec) -> TrainOutput:
     from fuseforge_flyte import flyte_checkpoint
     from fuseforge_flyte.training.preemption import Preempted
 
+    if not spec.output_dir:  # on a cluster: a scratch directory that flytekit uploads as the model
+        spec = dataclasses.replace(spec, output_dir=tempfile.mkdtemp(prefix="fuseforge-model-"))
     try:
         metrics = train(spec, after_checkpoint=flyte_checkpoint.worker_hook())
     except Preempted as err:  # SIGTERM: checkpointed; Flyte retries the task and it resumes there
         raise FlyteRecoverableException(str(err)) from err
-    return TrainOutput(metrics=metrics, model=FlyteDirectory(path=spec.output_dir))
+    return TrainOutput(metrics=metrics, model=returned_directory(run_outputs.model_dir(spec.output_dir)))
 
 
 def run_training(spec: TrainSpec) -> TrainOutput:
@@ -150,8 +161,7 @@ def train_model(data: FlyteDirectory, **settings: Any) -> TrainOutput:
 
     :param data: shards written by prepare_data (or a benchmark marker)
     """
-    return run_training(TrainSpec(dataset=data.path, **spec_values(settings),
-                                  output_dir=tempfile.mkdtemp(prefix="fuseforge-model-")))
+    return run_training(TrainSpec(dataset=data.path, **spec_values(settings)))
 
 
 summary_only(train_model)

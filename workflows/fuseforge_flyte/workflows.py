@@ -18,6 +18,7 @@ from flytekit import workflow
 from flytekit.core.promise import Promise
 from flytekit.types.directory import FlyteDirectory
 
+from fuseforge_flyte import user_errors
 from fuseforge_flyte.comparison import Comparison
 from fuseforge_flyte.inputs import Dtype, summary_only, training_inputs
 from fuseforge_flyte.posttrain.dpo import DPOSettings
@@ -149,6 +150,7 @@ def dpo(model: str, dataset: DataSource = "builtin:preferences", reference_model
 
 
 summary_only(train, compare, distill, dpo)
+user_errors.install_for_pyflyte()  # a user error ends a pyflyte run with one line (see user_errors.py)
 
 
 class DemoOutput(NamedTuple):

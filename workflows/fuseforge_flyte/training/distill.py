@@ -38,7 +38,7 @@ class Teacher:
     """The frozen teacher of a run with TrainSpec.teacher, built on `device` in `dtype`."""
 
     def __init__(self, spec: TrainSpec, student: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                 attn_implementation: str):
+                 attn_implementation: str, *, log_it: bool = True):
         vocab = student.get_output_embeddings().weight.shape[0]
         model = build_model(spec.teacher, seed=spec.seed, device=device,
                             vocab_size=vocab if spec.teacher in PRESETS else None)
@@ -65,9 +65,10 @@ class Teacher:
         model.requires_grad_(False).eval().to(dtype)
         self.model, self.decoder, self.head = model, model.base_model, head
         self.spec = spec
-        log.info("teacher %s (%.3gM parameters, %s) for distillation: weight %g, beta %g, temperature %g",
-                 spec.teacher, sum(p.numel() for p in model.parameters()) / 1e6, str(dtype).replace("torch.", ""),
-                 spec.distill_weight, spec.distill_beta, spec.distill_temperature)
+        if log_it:  # rank 0 only: one line per run, not one per worker
+            log.info("teacher %s (%.3gM parameters, %s) for distillation: weight %g, beta %g, temperature %g",
+                     spec.teacher, sum(p.numel() for p in model.parameters()) / 1e6,
+                     str(dtype).replace("torch.", ""), spec.distill_weight, spec.distill_beta, spec.distill_temperature)
 
     @torch.no_grad()
     def target(self, batch: Dict[str, torch.Tensor]):

@@ -10,6 +10,7 @@ local cache first, since from_pretrained reads local directories and hub ids onl
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass
@@ -17,7 +18,9 @@ from typing import Dict, Optional
 
 import torch
 
+from fuseforge_flyte import hub
 from fuseforge_flyte.data.spec import is_uri, local_path
+from fuseforge_flyte.quiet import quiet_third_party
 from fuseforge_flyte.training.data import BYTE_VOCAB_SIZE
 
 _TINY = dict(vocab_size=BYTE_VOCAB_SIZE, num_hidden_layers=2, max_position_embeddings=4096)
@@ -109,6 +112,9 @@ def _looks_like_hf_id(name: str) -> bool:
 
 
 def unknown_model_message(name: str, field: str = "model") -> str:
+    close = difflib.get_close_matches(name, sorted(PRESETS), n=1)
+    if close:
+        return f"TrainSpec.{field}: unknown model {name!r}: did you mean {close[0]!r}?"
     return (f"TrainSpec.{field}: unknown model {name!r}: use a preset ({', '.join(sorted(PRESETS))}), "
             f"a Hugging Face model directory or its fsspec URI (s3://, gs://, file://), a path to a config.json, "
             f"or a Hugging Face id like 'org/name'")
@@ -178,7 +184,7 @@ def load_config(name: str, vocab_size: Optional[int] = None):
         uri = _remote_config_uri(name)
         return _config_from_dict(_read_remote_json(uri), uri)
     if _looks_like_hf_id(name):
-        return AutoConfig.from_pretrained(name)
+        return hub.load_hub_id(lambda: AutoConfig.from_pretrained(name), option="model", hub_id=name, what="model")
     raise ValueError(unknown_model_message(name))
 
 
@@ -304,6 +310,7 @@ def build_model(name: str, *, seed: int, device: torch.device, vocab_size: Optio
     Random init from `seed` for presets (`vocab_size` overrides theirs), a config.json, or a
     directory holding only a config.json. `vocab_size` is ignored for everything but presets.
     """
+    quiet_third_party(cuda=device.type == "cuda")  # before transformers loads its model code
     from transformers import AutoModelForCausalLM
 
     pretrained = _pretrained_dir(name)
