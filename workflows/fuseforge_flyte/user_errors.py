@@ -28,6 +28,8 @@ from fuseforge_flyte.training.permanent import PermanentFailure
 USER_ERROR_TYPES = (ValueError, TypeError, FileNotFoundError, PermanentFailure)
 _FIELD = re.compile(r"\b(?:TrainSpec|DataSpec|DPOSettings)\.(\w+)")
 _WORKER_PREFIX = re.compile(r"^rank \d+: \w+: ")
+# flytekit puts this in front of the message of an exception raised by a task (the same exception object)
+_FLYTEKIT_PREFIX = re.compile(r"^Error encountered while executing '[^']*':\s*")
 
 
 def _chain(error: BaseException):
@@ -40,17 +42,16 @@ def _chain(error: BaseException):
 
 
 def user_error_line(error: BaseException) -> Optional[str]:
-    """The one line for a user error (its innermost cause's message, options as --name), or None for others."""
-    causes = list(_chain(error))
-    root = causes[-1]
-    permanent = next((e for e in causes if isinstance(e, PermanentFailure)), None)
-    if permanent is not None:
-        recorded = str(permanent).split("\n", 1)[-1].splitlines()[0]  # the first worker's recorded error
-        message = _WORKER_PREFIX.sub("", recorded)
-    elif isinstance(root, USER_ERROR_TYPES):
-        message = str(root)
-    else:
+    """The one line for a user error, or None for other errors: the message of the outermost user error in the
+    chain (ours; what it was raised from is the library's detail), with the options named as --name."""
+    first = next((e for e in _chain(error) if isinstance(e, USER_ERROR_TYPES)), None)
+    if first is None:
         return None
+    if isinstance(first, PermanentFailure):
+        recorded = str(first).split("\n", 1)[-1].splitlines()[0]  # the first worker's recorded error
+        message = _WORKER_PREFIX.sub("", recorded)
+    else:
+        message = _FLYTEKIT_PREFIX.sub("", str(first))
     message = " ".join(message.split())  # one line
     return _FIELD.sub(lambda m: f"--{m.group(1)}", message)
 

@@ -26,11 +26,6 @@ from typing import Any, Dict, List, Optional
 
 from fuseforge_flyte.posttrain.preferences import load_prepared
 
-try:
-    from transformers import TrainerCallback
-except ImportError:  # the module stays importable for the workflow's registration without transformers
-    TrainerCallback = object
-
 TOKENIZED_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
 REFERENCE_FILE = "reference.json"  # what scored the pairs: the reference model, max_length, mean log-probs
@@ -224,8 +219,16 @@ def _tail_mean(curve: List[float]) -> Optional[float]:
     return sum(tail) / len(tail) if tail else None
 
 
-class PreferenceLog(TrainerCallback):
-    """Collects DPOTrainer's logged reward accuracy and margin, per step and at eval."""
+def preference_callback() -> "PreferenceLog":
+    """A PreferenceLog that is a transformers TrainerCallback too. transformers' trainer modules are imported here,
+    not with this module: they take seconds, and loading the workflows for pyflyte does not need them."""
+    from transformers import TrainerCallback
+
+    return type("PreferenceLogCallback", (PreferenceLog, TrainerCallback), {})()
+
+
+class PreferenceLog:
+    """Collects DPOTrainer's logged reward accuracy and margin, per step and at eval (see preference_callback)."""
 
     def __init__(self):
         self.accuracy: List[float] = []
@@ -270,7 +273,7 @@ def train_dpo(settings: DPOSettings, data_dir: str, output_dir: str, dataset_nam
     """
     from fuseforge_flyte.measure import FuseforgeMetricsCallback
 
-    metrics, preference = FuseforgeMetricsCallback(dataset=dataset_name, model_name=settings.model), PreferenceLog()
+    metrics, preference = FuseforgeMetricsCallback(dataset=dataset_name, model_name=settings.model), preference_callback()
     trainer, tokenizer, notes = dpo_trainer(settings, data_dir, callbacks=[metrics, preference])
     trainer.train()
     if trainer.eval_dataset is not None:
