@@ -614,7 +614,7 @@ TRAIN_CASES = [
     case("spec-dataset-format", lambda c: _spec(dataset="data.xlsx"), ValueError, r"TrainSpec.dataset: unsupported file extension '.xlsx'"),
     case("spec-data-format", lambda c: _spec(data_format="chat"), ValueError, r"TrainSpec.data_format: 'chat' is not one of"),
     case("spec-eval-on-benchmark-data", lambda c: _spec(eval_fraction=0.1), ValueError, "benchmark dataset 'bench:bytes' has no eval split"),
-    case("spec-eval-every-without-eval-data", lambda c: _spec(dataset="builtin:chat", eval_every=5), ValueError, "TrainSpec.eval_every > 0 needs eval data"),
+    case("spec-eval-every-without-eval-data", lambda c: _spec(dataset="builtin:chat", eval_every=5), ValueError, "TrainSpec.eval_every=5 needs eval data"),
     case("spec-steps-str", lambda c: _spec(steps="10"), TypeError, "TrainSpec.steps must be int, got '10'"),
     case("spec-steps-bool", lambda c: _spec(steps=True), TypeError, "TrainSpec.steps must be int, got True"),
     case("spec-checkpoint-every-without-dir", lambda c: _spec(checkpoint_every=5, checkpoint_dir="off"), ValueError, "TrainSpec.checkpoint_every > 0 needs checkpoints, but TrainSpec.checkpoint_dir is 'off'"),

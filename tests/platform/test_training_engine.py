@@ -355,7 +355,7 @@ def test_wrong_types_are_named(field, value):
 
 @pytest.mark.parametrize("field,value,match", [
     ("eval_fraction", 1.5, r"TrainSpec.eval_fraction must be in \[0, 1\)"),
-    ("eval_every", 5, "TrainSpec.eval_every > 0 needs eval data"),
+    ("eval_every", 5, "TrainSpec.eval_every=5 needs eval data"),
     ("tokenizer", "builtin:gpt2", "TrainSpec.tokenizer: unknown builtin tokenizer 'builtin:gpt2'"),
 ])
 def test_bad_data_values_are_named(field, value, match):

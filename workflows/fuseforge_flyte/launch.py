@@ -42,6 +42,9 @@ class ElasticTraining(Elastic):
     # Checks the task inputs in the launching process, so bad input fails once, before any worker
     # starts (else every worker fails and torch elastic restarts the group max_restarts times).
     check_inputs: Optional[Callable[..., None]] = None
+    # fit_inputs(world_size, inputs) -> the inputs to launch with: settings adapted to the number of workers
+    # (e.g. a batch that the data can fill), decided once in the launching process.
+    fit_inputs: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]] = None
 
 
 class ElasticTrainingTask(PytorchElasticFunctionTask):
@@ -67,8 +70,13 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
         launcher: Any = super()
         temp_root: Any = contextlib.nullcontext()
         state = FlyteContextManager.current_context().execution_state
-        if state is not None and state.is_local_execution():
+        local = state is not None and state.is_local_execution()
+        if local:
             launcher = self._one_local_node(launch_env)
+        if self.task_config.fit_inputs is not None:
+            launched = (launcher if local else self).task_config
+            kwargs = self.task_config.fit_inputs(self._world_size(launched), dict(kwargs))
+        if local:
             launch_env[run_outputs.LOCAL_RUN_ENV] = "1"
             run_outputs.remove_temp_dirs_at_exit()
             temp_root = run_outputs.private_temp_dir()
@@ -81,6 +89,12 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
             result = launcher.execute(**kwargs)
         permanent.raise_if_failed(result)  # a failure that restarts cannot fix: raised once, not retried
         return result
+
+    @staticmethod
+    def _world_size(config: Elastic) -> int:
+        """Workers of a launch: nodes (the most an elastic range allows) x processes per node."""
+        nodes = int(str(config.nnodes).split(":")[-1])
+        return nodes * int(config.nproc_per_node)
 
     def _default_checkpoint_dir(self, launch_env: Dict[str, str]) -> Optional[str]:
         import flytekit
@@ -156,7 +170,8 @@ def on_every_worker(fn: Callable[..., Any]) -> Callable[..., Any]:
 # ------------------------------------------------------------------------------- decorator arguments
 
 
-def elastic_config(config: PlatformConfig, check_inputs: Optional[Callable[..., None]] = None) -> ElasticTraining:
+def elastic_config(config: PlatformConfig, check_inputs: Optional[Callable[..., None]] = None,
+                   fit_inputs: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]] = None) -> ElasticTraining:
     e = config.elastic
     return ElasticTraining(
         nnodes=e.nnodes,
@@ -172,6 +187,7 @@ def elastic_config(config: PlatformConfig, check_inputs: Optional[Callable[..., 
         },
         increase_shared_mem=False,  # /dev/shm comes from @task(shared_memory=...) below
         check_inputs=check_inputs,
+        fit_inputs=fit_inputs,
     )
 
 
@@ -194,13 +210,16 @@ def pod_template(config: PlatformConfig) -> Optional[PodTemplate]:
     return PodTemplate(pod_spec=spec)
 
 
-def training_task_options(config: PlatformConfig, check_inputs: Optional[Callable[..., None]] = None) -> Dict[str, Any]:
-    """Keyword arguments of @task for the training task, all from platform.toml (check_inputs: see ElasticTraining)."""
+def training_task_options(config: PlatformConfig, check_inputs: Optional[Callable[..., None]] = None,
+                          fit_inputs: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]] = None
+                          ) -> Dict[str, Any]:
+    """Keyword arguments of @task for the training task, all from platform.toml (check_inputs, fit_inputs: see
+    ElasticTraining)."""
     cluster = config.cluster
     # Strings: the kubernetes client behind pod templates rejects integer quantities.
     gpu = {"gpu": str(cluster.gpus)} if cluster.gpus > 0 else {}
     options: Dict[str, Any] = dict(
-        task_config=elastic_config(config, check_inputs),
+        task_config=elastic_config(config, check_inputs, fit_inputs),
         container_image=training_image(config),
         requests=Resources(cpu=cluster.cpu, mem=cluster.memory, **gpu),
         limits=Resources(mem=cluster.memory, **gpu),

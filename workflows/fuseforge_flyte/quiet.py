@@ -7,7 +7,8 @@ Each switch removes one message at its source rather than filtering output:
   (training/fp8.py), so torchao is imported only when fp8 asks for it.
 - DeepSpeed, imported by accelerate when transformers saves a model, guesses its accelerator and logs
   "Setting accelerator to CPU" on stdout when there is no GPU; naming the CPU accelerator stops the guess.
-- transformers' "Writing model shards" progress bar on every save.
+- the progress bars of transformers ("Writing model shards" on every save) and datasets ("Generating train split",
+  "Saving the dataset", map progress) when preparing data; the preparation logs one summary line.
 - click's "The parameter --x is used more than once" from pyflyte (flytekit 1.16 declares every bool input
   twice: --x/--no_x and --x/--no-x; the options work).
 """
@@ -56,10 +57,16 @@ def name_deepspeed_accelerator(cuda: bool) -> None:
     os.environ.setdefault("DS_ACCELERATOR", "cuda" if cuda else "cpu")
 
 
+def disable_progress_bars() -> None:
+    from datasets.utils import logging as datasets_logging
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    datasets_logging.disable_progress_bar()
+
+
 def quiet_third_party(cuda: bool) -> None:
     """The switches that need to know the device, for a process about to load models (cuda: it computes on a
     GPU); the import-time ones are set when fuseforge_flyte is imported."""
     name_deepspeed_accelerator(cuda)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    disable_progress_bars()

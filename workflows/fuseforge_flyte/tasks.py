@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
-from typing import Any, List, NamedTuple, Union
+from typing import Any, Dict, List, NamedTuple, Union
 
 from flytekit import Deck, task
 from flytekit.types.directory import FlyteDirectory
@@ -46,6 +46,15 @@ def check_train_inputs(data: FlyteDirectory, **inputs: Any) -> None:
 
     check_prepared_fits(spec)
     check_teacher_fits(spec)
+
+
+def fit_train_inputs(world_size: int, inputs: Dict[str, Any]) -> Dict[str, Any]:
+    """The inputs with a batch_size that the prepared data fills on `world_size` workers (see fit_batch_to_data)."""
+    from fuseforge_flyte.training.data import fit_batch_to_data
+
+    data = inputs["data"]
+    spec = TrainSpec(dataset=data.path, **spec_values({k: v for k, v in inputs.items() if k != "data"}))
+    return dict(inputs, batch_size=fit_batch_to_data(spec, world_size))
 
 
 # ------------------------------------------------------------------------------- tasks
@@ -153,7 +162,7 @@ def run_training(spec: TrainSpec) -> TrainOutput:
     return on_every_worker(_train_on_worker)(spec)
 
 
-@task(**training_task_options(CONFIG, check_inputs=check_train_inputs))
+@task(**training_task_options(CONFIG, check_inputs=check_train_inputs, fit_inputs=fit_train_inputs))
 @training_inputs(DEFAULTS)
 def train_model(data: FlyteDirectory, **settings: Any) -> TrainOutput:
     """Train a model on the prepared `data` with torch elastic on this task's GPUs; returns rank 0's

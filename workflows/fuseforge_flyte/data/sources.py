@@ -12,7 +12,7 @@ import os
 from typing import List, Optional, Tuple
 
 from fuseforge_flyte import hub
-from fuseforge_flyte.data.file_errors import first_unreadable_line
+from fuseforge_flyte.data.file_errors import first_non_utf8, first_unreadable_line
 from fuseforge_flyte.data.builtin import BUILTIN_DATASETS, asset_path
 from fuseforge_flyte.data.spec import BUILDERS, is_uri, local_path, looks_like_hub_id
 
@@ -125,6 +125,10 @@ def load_source(source: str, *, field: str = "dataset", config: str = "", split:
             if where is None:
                 raise _read_error(field, source, builder, split, err) from err
             raise ValueError(f"DataSpec.{field}: {where}") from err
+        local_files = [f for f in files if not is_uri(f) or f.startswith("file://")]
+        where = first_non_utf8([local_path(f) or f for f in local_files]) if builder != "parquet" else None
+        if where is not None:  # loaded, but the bytes would fail later, in tokenization, naming nothing
+            raise ValueError(f"DataSpec.{field}: {where}")
         if builder == "text":
             dataset = _strip_documents(dataset)
     if isinstance(dataset, datasets.IterableDataset):

@@ -132,11 +132,12 @@ def _check_data(spec) -> None:
                          f"use one of {list(BENCHMARK_DATASETS)}")
     from fuseforge_flyte.data.shards import is_prepared_dir
 
+    if spec.eval_every and not (spec.eval_fraction or spec.eval_dataset):  # the workflows pass both to the task
+        raise ValueError(f"TrainSpec.eval_every={spec.eval_every} needs eval data: set eval_fraction (e.g. 0.05) or "
+                         f"eval_dataset, or eval_every 0")
     if is_prepared_dir(spec.dataset):
         return  # prepared with its own options, checked then
     try:
         spec.data_spec().validate()
     except (ValueError, FileNotFoundError) as err:  # one error type for every bad TrainSpec value
         raise ValueError(str(err).replace("DataSpec.", "TrainSpec.")) from None
-    if spec.eval_every and not (spec.eval_fraction or spec.eval_dataset):
-        raise ValueError("TrainSpec.eval_every > 0 needs eval data: set eval_fraction or eval_dataset")
