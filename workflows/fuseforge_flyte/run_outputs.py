@@ -124,11 +124,13 @@ def remove_temp_dirs_at_exit() -> None:
 
 @contextlib.contextmanager
 def private_temp_dir() -> Iterator[str]:
-    """A temporary root for one local launch, removed after it: the workers (through TMPDIR) and torch elastic's
-    agent make their temporary directories there (flytekit's, one set per process; torch elastic's logs)."""
+    """A temporary root for one local launch: the workers (through TMPDIR) and torch elastic's agent make their
+    temporary directories there (flytekit's, one set per process; torch elastic's logs). It is removed when this
+    process exits, after flytekit has taken the task's outputs (a returned directory may lie there)."""
     from fuseforge_flyte.training.environ import environment
 
     path = tempfile.mkdtemp(prefix="fuseforge-run-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
     previous = tempfile.tempdir
     tempfile.tempdir = path
     try:
@@ -136,4 +138,3 @@ def private_temp_dir() -> Iterator[str]:
             yield path
     finally:
         tempfile.tempdir = previous
-        shutil.rmtree(path, ignore_errors=True)

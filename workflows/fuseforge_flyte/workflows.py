@@ -78,7 +78,7 @@ def distill(teacher: str, dataset: DataSource = DEFAULTS.dataset, **settings: An
 
 
 # compare: both runs from step 0 (no checkpoints to resume from), no eval (it measures training).
-NOT_COMPARED = ("kernels", "checkpoint_dir", "checkpoint_every", "keep_last", "resume_allow_changes",
+NOT_COMPARED = ("kernels", "output_dir", "checkpoint_dir", "checkpoint_every", "keep_last", "resume_allow_changes",
                 "eval_fraction", "eval_dataset", "eval_every",
                 "teacher", "distill_weight", "distill_beta", "distill_temperature")  # distillation needs kernels
 
@@ -94,7 +94,7 @@ def compare(dataset: DataSource = DEFAULTS.dataset, **settings: Any) -> Comparis
     """
     data = _prepared(dataset, eval_fraction=0.0, eval_dataset="",
                      **{name: settings[name] for name in DATA_INPUTS if not name.startswith("eval_")})
-    shared = dict(settings, data=data, checkpoint_dir=CHECKPOINT_OFF, checkpoint_every=0)
+    shared = dict(settings, data=data, checkpoint_dir=CHECKPOINT_OFF, checkpoint_every=0, output_dir="")
     fused = train_model(kernels=True, **shared).with_overrides(name="train-with-kernels")
     baseline = train_model(kernels=False, **shared).with_overrides(name="train-without-kernels")
     return summarize_comparison(with_kernels=fused.metrics, without_kernels=baseline.metrics)
@@ -111,7 +111,7 @@ def dpo(model: str, dataset: DataSource = "builtin:preferences", reference_model
         steps: int = DPO_DEFAULTS.steps, batch_size: int = DPO_DEFAULTS.batch_size,
         grad_accum: int = DPO_DEFAULTS.grad_accum, lr: float = DPO_DEFAULTS.lr,
         warmup_steps: int = DPO_DEFAULTS.warmup_steps, eval_every: int = DPO_DEFAULTS.eval_every, seed: int = 0,
-        kernels: bool = True, loss_chunk_size: int = 0) -> DPOOutput:
+        kernels: bool = True, loss_chunk_size: int = 0, output_dir: str = "") -> DPOOutput:
     """Direct preference optimisation of a causal LM on prompt/chosen/rejected pairs (TRL's DPOTrainer on
     fuseforge's fused DPO loss). The reference log-probs come from a cached task run once per dataset and
     reference model; returns the training and preference metrics and the trained model.
@@ -137,6 +137,8 @@ def dpo(model: str, dataset: DataSource = "builtin:preferences", reference_model
     :param seed: data order and the initialisation of presets (policy and reference alike)
     :param kernels: fuseforge's kernels and fused DPO loss on
     :param loss_chunk_size: tokens per chunk of the fused loss (0 = fuseforge's default)
+    :param output_dir: where the trained policy (model/), metrics.json and settings.json go; empty: locally
+        ./outputs/<model>-<UTC time>, on a cluster Flyte's store
     """
     fingerprint = fingerprint_data(dataset=dataset, eval_dataset="", tokenizer="", model="")
     pairs = prepare_preference_data(dataset=dataset, fingerprint=fingerprint, dataset_config=dataset_config,
@@ -146,7 +148,8 @@ def dpo(model: str, dataset: DataSource = "builtin:preferences", reference_model
     return dpo_train(data=scored, model=model, reference_model=reference_model, tokenizer=tokenizer, beta=beta,
                      loss_type=loss_type, label_smoothing=label_smoothing, max_length=max_length, steps=steps,
                      batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps,
-                     eval_every=eval_every, seed=seed, kernels=kernels, loss_chunk_size=loss_chunk_size)
+                     eval_every=eval_every, seed=seed, kernels=kernels, loss_chunk_size=loss_chunk_size,
+                     output_dir=output_dir)
 
 
 summary_only(train, compare, distill, dpo)

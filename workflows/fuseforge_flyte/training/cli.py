@@ -82,7 +82,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         if args.recipe:
             args = apply_recipe(parser, args.recipe, argv if argv is not None else sys.argv[1:])
-        values = vars(args)
+        values = dict(vars(args))
         for name in ("recipe", "metrics_file", "log_level", "verbose"):
             values.pop(name)
         logging.basicConfig(level=args.log_level, stream=sys.stderr,
