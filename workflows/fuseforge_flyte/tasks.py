@@ -65,8 +65,9 @@ DEFAULTS = CONFIG.train_spec()
 
 # A dataset is a hub id or URI (str), or local files that `pyflyte run --remote` uploads (FlyteFile/-Directory).
 DataSource = Union[FlyteFile, FlyteDirectory, str]
-# Bump when the prepared format or the preparation's results change: cached preparations are then redone.
-DATA_CACHE_VERSION = "2"
+# Bump when the prepared format, the preparation's results or where they are kept change: cached preparations are
+# then redone (3: local outputs live in fuseforge's cache, not flytekit's temporary sandbox).
+DATA_CACHE_VERSION = "3"
 
 
 class TrainOutput(NamedTuple):

@@ -25,8 +25,8 @@ from fuseforge_flyte.tasks import CONFIG, DataSource, source_path
 from fuseforge_flyte.training.spec import TrainMetrics
 from fuseforge_flyte.user_task import training_task
 
-PREFERENCE_CACHE_VERSION = "1"
-REFERENCE_CACHE_VERSION = "1"
+PREFERENCE_CACHE_VERSION = "2"
+REFERENCE_CACHE_VERSION = "2"
 
 DPOLossType = enum.Enum("DPOLossType", {value.upper(): value for value in LOSS_TYPES}, module=__name__)
 DPOLossType.__doc__ = "TRL's DPO loss types (sigmoid, hinge, ipo and robust run on fuseforge's fused DPO loss)."
