@@ -34,6 +34,7 @@ from fuseforge_flyte.inputs import DataFormat, spec_values, summary_only, traini
 from fuseforge_flyte.launch import (data_task_options, on_every_worker, summary_task_options,
                                     training_task_options)
 from fuseforge_flyte.run_outputs import returned_directory, task_output_dir
+from fuseforge_flyte.sampling import Samples
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 
 
@@ -178,14 +179,14 @@ summary_only(train_model)
 
 
 @task(**summary_task_options(CONFIG))
-def sample_model(model: FlyteDirectory, prompts: List[str], max_new_tokens: int = 32) -> List[str]:
+def sample_model(model: FlyteDirectory, prompts: List[str], max_new_tokens: int = 32) -> Samples:
     """Load a trained model directory with plain transformers and answer `prompts` (greedy): a smoke test
     of what `train` returned, shown in a Deck. Uses the tokenizer's chat template when it has one."""
     from fuseforge_flyte.sampling import generate, samples_html
 
     answers = generate(model.download(), prompts, max_new_tokens=max_new_tokens)
     Deck("Samples", samples_html(prompts, answers))
-    return answers
+    return Samples(prompts=list(prompts), answers=answers)
 
 
 @task(**summary_task_options(CONFIG))

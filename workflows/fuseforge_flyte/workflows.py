@@ -22,6 +22,7 @@ from fuseforge_flyte import user_errors
 from fuseforge_flyte.comparison import Comparison
 from fuseforge_flyte.inputs import Dtype, summary_only, training_inputs
 from fuseforge_flyte.posttrain.dpo import DPOSettings
+from fuseforge_flyte.sampling import Samples
 from fuseforge_flyte.posttrain.tasks import (DPOLossType, DPOOutput, dpo_train, prepare_preference_data,
                                              reference_logps)
 from fuseforge_flyte.training.spec import CHECKPOINT_OFF, TrainMetrics
@@ -159,7 +160,7 @@ user_errors.install_for_pyflyte()  # a user error ends a pyflyte run with one li
 class DemoOutput(NamedTuple):
     metrics: TrainMetrics
     model: FlyteDirectory
-    answers: List[str]
+    samples: Samples  # each prompt beside its answer
 
 
 @workflow
@@ -170,5 +171,5 @@ def demo(model: str = "tiny-llama", dataset: DataSource = "builtin:chat", steps:
     turns only, packed, with eval), then the returned model loaded by plain transformers and asked questions."""
     out = train(model=model, dataset=dataset, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
                 eval_fraction=eval_fraction, eval_every=eval_every, kernels=kernels, dtype=Dtype.FP32, warmup_steps=5)
-    answers = sample_model(model=out.model, prompts=prompts)
-    return DemoOutput(metrics=out.metrics, model=out.model, answers=answers)
+    samples = sample_model(model=out.model, prompts=prompts)
+    return DemoOutput(metrics=out.metrics, model=out.model, samples=samples)

@@ -28,7 +28,7 @@ def check_teacher_fits(spec: TrainSpec) -> None:
     (a preset's vocabulary follows the data's tokenizer, so it is checked in the worker)."""
     if not spec.teacher or spec.teacher in PRESETS or spec.model in PRESETS:
         return
-    teacher, student = load_config(spec.teacher).vocab_size, load_config(spec.model).vocab_size
+    teacher, student = load_config(spec.teacher, option="teacher").vocab_size, load_config(spec.model).vocab_size
     if teacher != student:
         raise ValueError(f"TrainSpec.teacher: {spec.teacher!r} has a vocabulary of {teacher} tokens, the student "
                          f"{spec.model!r} has {student}: distillation needs one shared vocabulary (tokenizer)")

@@ -155,8 +155,9 @@ def _read_remote_json(uri: str) -> dict:
             from None
 
 
-def load_config(name: str, vocab_size: Optional[int] = None):
-    """The transformers config for a preset, a config.json path or URI (or its directory) or an HF id.
+def load_config(name: str, vocab_size: Optional[int] = None, *, option: str = "model"):
+    """The transformers config for a preset, a config.json path or URI (or its directory) or an HF id
+    (`option`: the input that named it, for the message when the hub cannot be reached).
 
     `vocab_size` sets a preset's vocabulary (a from-scratch model takes the data tokenizer's); it is
     ignored for everything else, whose vocabulary is fixed by its config (the data layer checks the fit).
@@ -184,7 +185,7 @@ def load_config(name: str, vocab_size: Optional[int] = None):
         uri = _remote_config_uri(name)
         return _config_from_dict(_read_remote_json(uri), uri)
     if _looks_like_hf_id(name):
-        return hub.load_hub_id(lambda: AutoConfig.from_pretrained(name), option="model", hub_id=name, what="model")
+        return hub.load_hub_id(lambda: AutoConfig.from_pretrained(name), option=option, hub_id=name, what="model")
     raise ValueError(unknown_model_message(name))
 
 
