@@ -60,13 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 @contextlib.contextmanager
 def _stdout_to_stderr() -> Iterator[None]:
-    """Point file descriptor 1 at stderr while training: libraries that print (DeepSpeed's logger writes to
-    stdout) cannot break the JSON that stdout carries."""
+    """Point stdout (the file descriptor and Python's sys.stdout) at stderr while training: libraries that print
+    (DeepSpeed's logger writes to stdout) cannot break the JSON that stdout carries."""
     sys.stdout.flush()
     saved = os.dup(1)
     os.dup2(2, 1)
     try:
-        yield
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)
