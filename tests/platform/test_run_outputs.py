@@ -89,3 +89,23 @@ def test_the_dpo_summary_is_readable():
     assert text == ("reward accuracy 0.75   reward margin 0.1234   eval reward accuracy 0.70   eval reward margin "
                     "0.1000   loss sigmoid (fused loss)   reference tiny-llama")
     assert "[" not in text  # the curves stay in the typed outputs and the Deck
+
+
+@pytest.mark.slow
+def test_the_demo_settings_teach_the_tiny_model_to_answer(tmp_path, capsys, monkeypatch):
+    """The demo's default steps and learning rate, in one process with the same global batch (2 workers x 4 rows)
+    and the kernels off (the same math; tests/kernels check the kernels against it), so that it takes seconds:
+    the answers differ per question and at least two of the three are right."""
+    from fuseforge_flyte.sampling import generate
+    from fuseforge_flyte.training import cli
+    from fuseforge_flyte.workflows import DEMO_EXPECTED, DEMO_LR, DEMO_PROMPTS, DEMO_STEPS
+
+    monkeypatch.setenv("FUSEFORGE_CACHE", str(tmp_path / "cache"))
+    assert cli.main(["--model", "tiny-llama", "--dataset", "builtin:chat", "--steps", str(DEMO_STEPS),
+                     "--batch_size", "8", "--seq_len", "128", "--lr", str(DEMO_LR), "--warmup_steps", "5",
+                     "--eval_fraction", "0.1", "--dtype", "fp32", "--no_kernels", "--log_level", "WARNING",
+                     "--output_dir", str(tmp_path / "demo")]) == 0
+    answers = generate(str(tmp_path / "demo" / "model"), DEMO_PROMPTS)
+    assert len(set(answers)) == len(answers), answers
+    right = [expected in answer for expected, answer in zip(DEMO_EXPECTED, answers)]
+    assert sum(right) >= 2, list(zip(DEMO_PROMPTS, answers))

@@ -29,8 +29,13 @@ from fuseforge_flyte.training.spec import CHECKPOINT_OFF, TrainMetrics
 from fuseforge_flyte.tasks import (DEFAULTS, DataSource, TrainOutput, fingerprint_data, prepare_data,
                                    sample_model, summarize_comparison, train_model)
 
-# Questions in the style of builtin:chat, for the demo's trained model to answer.
-DEMO_PROMPTS = ["What is the capital of France?", "How many letters are in the word apple?", "Hi there."]
+# Questions of builtin:chat's kinds, for the demo's trained model to answer, with what a right answer says.
+DEMO_PROMPTS = ["What is the capital of France?", "How many letters are in the word 'planet'?", "Hi there."]
+DEMO_EXPECTED = ["Paris", "6 letters", "What can I do for you?"]
+# Long enough on a CPU (a few minutes, kernels through Triton's interpreter) for the tiny model to answer each
+# question differently and mostly right: 100 steps of 8 packed rows (about 5 epochs), peak lr 6e-3.
+DEMO_STEPS = 100
+DEMO_LR = 6e-3
 
 
 # The data options: they go to the preparation task (and travel on to training, recorded in its checkpoints).
@@ -164,8 +169,8 @@ class DemoOutput(NamedTuple):
 
 
 @workflow
-def demo(model: str = "tiny-llama", dataset: DataSource = "builtin:chat", steps: int = 60, batch_size: int = 4,
-         seq_len: int = 128, lr: float = 3e-3, eval_fraction: float = 0.1, eval_every: int = 20,
+def demo(model: str = "tiny-llama", dataset: DataSource = "builtin:chat", steps: int = DEMO_STEPS, batch_size: int = 4,
+         seq_len: int = 128, lr: float = DEMO_LR, eval_fraction: float = 0.1, eval_every: int = 25,
          kernels: bool = True, prompts: List[str] = DEMO_PROMPTS) -> DemoOutput:
     """The README's main job: a small supervised fine-tuning (chat data, BPE tokenizer, loss on the assistant
     turns only, packed, with eval), then the returned model loaded by plain transformers and asked questions."""
