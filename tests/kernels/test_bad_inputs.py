@@ -633,7 +633,7 @@ TRAIN_CASES = [
     # datasets the spec cannot check up front (contents, vocabulary)
     case("data-vocab-mismatch", lambda c: _prepare(c, "builtin:chat", model=_small_vocab_model(c), tokenizer="builtin:tiny-bpe"), ValueError, r"the tokenizer's ids go up to 1023 \(vocabulary 1024\) but the model's vocab_size is 100"),
     case("data-empty-file", lambda c: _prepare(c, "empty.jsonl", "\n\n"), ValueError, "DataSpec.dataset: .*empty.jsonl' has no rows"),
-    case("data-bad-jsonl", lambda c: _prepare(c, "bad.jsonl", '{"text": "ok"}\n{"text": \n'), ValueError, r"DataSpec.dataset: could not read .*bad.jsonl' as json"),
+    case("data-bad-jsonl", lambda c: _prepare(c, "bad.jsonl", '{"text": "ok"}\n{"text": \n'), ValueError, r"DataSpec.dataset: .*bad.jsonl, line 2: not valid JSON"),
     case("data-unknown-columns", lambda c: _prepare(c, "notext.jsonl", '{"content": "hi"}\n'), ValueError, r"DataSpec.dataset: cannot tell the format of .*notext.jsonl' from its columns \['content'\]"),
     case("data-missing-uri", lambda c: _prepare(c, f"file://{c.tmp_path}/gone.jsonl"), FileNotFoundError, "DataSpec.dataset: dataset file or folder not found: 'file://.*gone.jsonl'"),
     # NaN loss policy "raise": the step is named
