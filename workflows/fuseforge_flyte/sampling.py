@@ -23,7 +23,9 @@ class Samples:
     def __str__(self) -> str:
         return "\n".join(f"  {prompt} -> {answer}" for prompt, answer in zip(self.prompts, self.answers))
 
-    __repr__ = __str__  # pyflyte prints outputs through repr
+    def __repr__(self) -> str:
+        """What pyflyte prints inside the output tuple: the pairs from a line of their own."""
+        return "\n" + str(self)
 
 
 def generate(model_dir: str, prompts: Sequence[str], *, max_new_tokens: int = 32) -> List[str]:
