@@ -18,6 +18,7 @@ from typing import Optional
 PROBE_TIMEOUT_S = 3.0
 _TRUE = ("1", "true", "yes", "on")
 _reachable: Optional[bool] = None
+_why_unreachable = ""
 
 
 def endpoint() -> str:
@@ -49,9 +50,13 @@ def _probe(url: str, timeout: float) -> bool:
 
 def reachable() -> bool:
     """True when the hub answers; asked once per process. False also sets HF_HUB_OFFLINE=1 (cache only)."""
-    global _reachable
+    global _reachable, _why_unreachable
     if _reachable is None:
-        _reachable = not offline_by_setting() and _probe(endpoint(), PROBE_TIMEOUT_S)
+        if offline_by_setting():
+            _reachable, _why_unreachable = False, "HF_HUB_OFFLINE is set"
+        else:
+            _reachable = _probe(endpoint(), PROBE_TIMEOUT_S)
+            _why_unreachable = f"{endpoint()} did not answer within {PROBE_TIMEOUT_S:g} s"
         if not _reachable:
             os.environ["HF_HUB_OFFLINE"] = "1"
             _apply_offline_to_loaded_libraries()
@@ -71,9 +76,8 @@ def _apply_offline_to_loaded_libraries() -> None:
 
 
 def unreachable_message(option: str, hub_id: str, what: str) -> str:
-    why = "HF_HUB_OFFLINE is set" if offline_by_setting() else f"{endpoint()} did not answer within " \
-                                                                f"{PROBE_TIMEOUT_S:g} s"
-    return (f"--{option}: {hub_id!r} is a Hugging Face hub {what} id, but the hub cannot be reached ({why}) and it "
+    return (f"--{option}: {hub_id!r} is a Hugging Face hub {what} id, but the hub cannot be reached "
+            f"({_why_unreachable}) and it "
             f"is not in the local cache: give a local path to the {what} instead, or run where the hub is reachable")
 
 
