@@ -109,3 +109,19 @@ def test_the_demo_settings_teach_the_tiny_model_to_answer(tmp_path, capsys, monk
     assert len(set(answers)) == len(answers), answers
     right = [expected in answer for expected, answer in zip(DEMO_EXPECTED, answers)]
     assert sum(right) >= 2, list(zip(DEMO_PROMPTS, answers))
+
+
+def test_dpo_logs_the_engines_step_line_instead_of_trls_dict(caplog):
+    from types import SimpleNamespace
+
+    from fuseforge_flyte.posttrain.dpo import preference_callback
+
+    callback = preference_callback()
+    state = SimpleNamespace(is_world_process_zero=True, global_step=3, max_steps=20, num_input_tokens_seen=1024)
+    logs = {"loss": 0.6931, "learning_rate": 1e-3, "rewards/accuracies": 0.75, "rewards/margins": 0.0123,
+            "logps/chosen": [-1.0] * 40}
+    with caplog.at_level("INFO", logger="fuseforge.training"):
+        callback.on_log(None, state, None, logs=logs)
+    assert caplog.messages == ["step 3/20 loss 0.6931 reward accuracy 0.75 margin 0.0123 lr 0.001 | mem "
+                               + caplog.messages[0].split("| mem ")[1]]
+    assert callback.accuracy == [0.75] and callback.margin == [0.0123]
