@@ -29,8 +29,8 @@ def run(dataset: str, args, extra, packed_attention: str = "flex_attention") -> 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "metrics.json")
         cmd = [sys.executable, "-c", _DRIVER, packed_attention, "--model", args.model, "--dataset", dataset,
-               "--seq-len", str(args.seq), "--batch-size", str(args.batch), "--steps", str(args.steps),
-               "--dtype", "bf16", "--log-every", "5", "--output", out, *extra]
+               "--seq_len", str(args.seq), "--batch_size", str(args.batch), "--steps", str(args.steps),
+               "--dtype", "bf16", "--log_every", "5", "--metrics_file", out, *extra]
         print("$", " ".join(cmd[3:]), f"(packed rows: {packed_attention})", flush=True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         with open(out, encoding="utf-8") as handle:
@@ -50,8 +50,8 @@ def main() -> None:
         "synthetic": run("bench:synthetic", args, []),
         "prepared": run(args.data, args, []),
         "prepared (sdpa+mask)": run(args.data, args, [], packed_attention="sdpa"),
-        "prepared+eval+save": run(args.data, args, ["--eval-every", str(args.steps),
-                                                     "--output-dir", tempfile.mkdtemp(prefix="ff-model-")]),
+        "prepared+eval+save": run(args.data, args, ["--eval_every", str(args.steps),
+                                                     "--output_dir", tempfile.mkdtemp(prefix="ff-model-")]),
     }
     print(f"\n{'run':20s} {'tok/s':>10s} {'p50 ms':>8s} {'data wait':>10s} {'peak GiB':>9s} {'MFU':>6s} "
           f"{'loss0':>7s} {'lossN':>7s} {'eval':>7s}")

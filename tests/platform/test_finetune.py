@@ -5,6 +5,7 @@ Single process on the CPU in fp32 with the kernels off (their equivalence is tes
 shipped chat data and BPE tokenizer.
 """
 
+import json
 import math
 import os
 
@@ -94,9 +95,11 @@ def test_resume_reproduces_the_uninterrupted_run_on_prepared_data(chat_data, tmp
 
 
 def test_trained_model_is_a_hf_directory_and_training_continues_from_it(chat_data, tmp_path):
-    out = str(tmp_path / "model")
-    first = train(_spec(chat_data, eval_every=6, output_dir=out))
-    assert first.model_dir == out
+    first = train(_spec(chat_data, eval_every=6, output_dir=str(tmp_path / "run")))
+    out = str(tmp_path / "run" / "model")
+    assert first.model_dir == out and first.output_dir == str(tmp_path / "run")
+    assert json.load(open(tmp_path / "run" / "metrics.json"))["steps"] == first.steps  # the run's record beside it
+    assert json.load(open(tmp_path / "run" / "settings.json"))["eval_every"] == 6
     names = set(os.listdir(out))
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"} <= names
     loaded = AutoModelForCausalLM.from_pretrained(out)

@@ -146,7 +146,8 @@ def test_demo_fine_tunes_returns_the_model_and_samples_it(capfd):
     names = set(os.listdir(model_dir))
     assert {"config.json", "generation_config.json", "tokenizer.json"} <= names
     assert any(n.endswith(".safetensors") for n in names)
-    assert len(out.answers) == 1 and isinstance(out.answers[0], str)
+    assert out.samples.prompts == ["What is the capital of Spain?"] and isinstance(out.samples.answers[0], str)
+    assert str(out.samples) == f"  What is the capital of Spain? -> {out.samples.answers[0]}"  # side by side
     printed = capfd.readouterr()  # the workers are processes of their own: their file descriptors
     assert "step 12/12" in printed.out + printed.err  # progress reaches the console through Flyte's workers
     decks = [d for d in decks_written_since(start) if "Training metrics" in d]

@@ -171,7 +171,7 @@ def test_module_tasks_use_platform_toml():
 
 
 def test_workflow_inputs_mirror_trainspec_with_config_defaults():
-    spec_fields = [f.name for f in dataclasses.fields(TrainSpec) if f.name != "output_dir"]  # the task picks it
+    spec_fields = [f.name for f in dataclasses.fields(TrainSpec)]
     defaults = dataclasses.asdict(DEFAULTS)
     inputs = train.python_interface.inputs_with_defaults
     assert list(inputs) == ["dataset"] + [f for f in spec_fields if f != "dataset"], "train's inputs drifted"
@@ -182,9 +182,9 @@ def test_workflow_inputs_mirror_trainspec_with_config_defaults():
         k: defaults[k] for k in task_inputs if k != "data"}
     assert list(train.python_interface.outputs) == ["metrics", "model"]
     compare_inputs = compare.python_interface.inputs_with_defaults
-    assert set(spec_fields) - set(compare_inputs) == {"kernels", "checkpoint_dir", "checkpoint_every", "keep_last",
-                                                      "resume_allow_changes", "allow_unsigned_checkpoints",
-                                                      "eval_fraction", "eval_dataset",
+    assert set(spec_fields) - set(compare_inputs) == {"kernels", "output_dir", "checkpoint_dir", "checkpoint_every",
+                                                      "keep_last", "resume_allow_changes",
+                                                      "allow_unsigned_checkpoints", "eval_fraction", "eval_dataset",
                                                       "eval_every", "teacher", "distill_weight", "distill_beta",
                                                       "distill_temperature"}
     assert compare.python_interface.outputs["o0"].__name__ == "Comparison"

@@ -228,8 +228,8 @@ def test_compiled_run_resumes_and_exports_with_plain_names(monkeypatch, tmp_path
     assert resumed.resumed_from_step == 2
     eager = train(TrainSpec(**dict(spec, compile=False, checkpoint_dir="", output_dir=str(tmp_path / "eager"))))
     assert resumed.loss_curve == eager.loss_curve
-    exported, reference = load_file(tmp_path / "compiled" / "model.safetensors"), \
-        load_file(tmp_path / "eager" / "model.safetensors")
+    exported, reference = load_file(tmp_path / "compiled" / "model" / "model.safetensors"), \
+        load_file(tmp_path / "eager" / "model" / "model.safetensors")
     assert set(exported) == set(reference) and not any("_orig_mod" in k for k in exported)
     for name, tensor in reference.items():
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0, msg=name)

@@ -96,11 +96,16 @@ def test_reference_scoring_saves_tokenized_pairs_with_their_log_probs(scored):
         check_scored(out, _settings(max_length=64))
 
 
-def test_policy_trains_on_the_fused_loss_against_the_scored_reference(scored, tmp_path):
+def test_policy_trains_on_the_fused_loss_against_the_scored_reference(scored, tmp_path, capfd, caplog):
     """Step 1's policy is the reference: the sigmoid loss is log 2 exactly when the stored log-probs are the
     reference's for the same tokens (a misaligned pair, a wrong truncation or another model would not be)."""
     _, _, out = scored
-    metrics, preference = train_dpo(_settings(), out, str(tmp_path / "model"))
+    capfd.readouterr()
+    with caplog.at_level("INFO", logger="fuseforge.training"):
+        metrics, preference = train_dpo(_settings(), out, str(tmp_path / "model"))
+    printed = "\n".join(capfd.readouterr())
+    assert "{'loss'" not in printed and "'rewards/accuracies'" not in printed  # no raw Trainer dicts
+    assert any(m.startswith("step 3/3 loss") and "reward accuracy" in m for m in caplog.messages)  # step lines
     assert preference.fused_loss, preference.notes
     # fp32 on the CPU; on a GPU both passes run under bf16 autocast (a misaligned pair is off by nats, not 1e-3)
     assert metrics.loss_curve[0] == pytest.approx(math.log(2), abs=2e-6 if DEVICE == "cpu" else 1e-3)

@@ -355,7 +355,7 @@ def test_wrong_types_are_named(field, value):
 
 @pytest.mark.parametrize("field,value,match", [
     ("eval_fraction", 1.5, r"TrainSpec.eval_fraction must be in \[0, 1\)"),
-    ("eval_every", 5, "TrainSpec.eval_every > 0 needs eval data"),
+    ("eval_every", 5, "TrainSpec.eval_every=5 needs eval data"),
     ("tokenizer", "builtin:gpt2", "TrainSpec.tokenizer: unknown builtin tokenizer 'builtin:gpt2'"),
 ])
 def test_bad_data_values_are_named(field, value, match):
@@ -390,8 +390,8 @@ def test_deepspeed_config_from_spec():
 
 def test_cli_prints_and_writes_metrics(tmp_path, capsys):
     out = tmp_path / "metrics.json"
-    rc = cli.main(["--model", "tiny-mistral", "--steps", "3", "--seq-len", "16", "--batch-size", "2",
-                   "--no-kernels", "--dataset", "bench:synthetic", "--output", str(out), "--log-level", "WARNING"])
+    rc = cli.main(["--model", "tiny-mistral", "--steps", "3", "--seq_len", "16", "--batch_size", "2",
+                   "--no_kernels", "--dataset", "bench:synthetic", "--metrics_file", str(out), "--log_level", "WARNING"])
     assert rc == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed == json.loads(out.read_text())
@@ -401,10 +401,10 @@ def test_cli_prints_and_writes_metrics(tmp_path, capsys):
 
 def test_cli_rejects_bad_values(capsys):
     assert cli.main(["--steps", "-3"]) == 2
-    assert "TrainSpec.steps must be >= 1" in capsys.readouterr().err
-    assert cli.build_parser().parse_args(["--loss-chunk-size", "512"]).loss_chunk_size == 512
-    assert cli.main(["--loss-chunk-size", "-1"]) == 2
-    assert "TrainSpec.loss_chunk_size must be a finite value >= 0" in capsys.readouterr().err
+    assert capsys.readouterr().err.splitlines()[-1] == "error: --steps must be >= 1, got -3"
+    assert cli.build_parser().parse_args(["--loss_chunk_size", "512"]).loss_chunk_size == 512
+    assert cli.main(["--loss_chunk_size", "-1"]) == 2
+    assert "error: --loss_chunk_size must be a finite value >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["--strategy"])  # argparse: missing value
 

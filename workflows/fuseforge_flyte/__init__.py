@@ -5,6 +5,11 @@ For your own training code: `training_task` (fuseforge_flyte.user_task) and the 
 importing any fuseforge_flyte module stays light.
 """
 
+from fuseforge_flyte.quiet import ignore_duplicate_bool_options, keep_torchao_unimported
+
+ignore_duplicate_bool_options()  # pyflyte builds its options after importing the workflows: see quiet.py
+keep_torchao_unimported()
+
 _LAZY = {
     "training_task": "fuseforge_flyte.user_task",
     "FuseforgeMetricsCallback": "fuseforge_flyte.measure",

@@ -6,6 +6,7 @@
     python -m fuseforge_flyte.cli build-base                  # a Debian base made here, for buildah (no pulls)
     python -m fuseforge_flyte.cli requirements                # the image's pip requirements (images/requirements.txt)
     python -m fuseforge_flyte.cli run [--remote] train --model tiny-llama --steps 20
+    python -m fuseforge_flyte.cli run --recipe recipes/sft-tiny-chat.yaml train --steps 5
 
 Global options: --config FILE (same as FUSEFORGE_CONFIG) and --set SECTION.KEY=VALUE (repeatable, same as
 FUSEFORGE__SECTION__KEY); both are passed on to pyflyte by `run`.
@@ -28,7 +29,7 @@ REQUIREMENTS_HEADER = (
     "# Generated from pyproject.toml by `python -m fuseforge_flyte.cli requirements > images/requirements.txt`;\n"
     "# tests/deploy/test_flyte_image.py fails when it is stale. torch is installed before these, from the CUDA index.\n"
 )
-WORKFLOW_FILES = {"train": "workflows/train.py", "compare": "workflows/compare.py"}
+WORKFLOW_FILES = {name: f"workflows/{name}.py" for name in ("train", "compare", "distill", "dpo", "demo")}
 
 
 def _global_overrides(args: argparse.Namespace) -> Dict[str, str]:
@@ -106,12 +107,29 @@ def pyflyte_command(config: PlatformConfig, workflow: str, remote: bool, extra: 
     return command + [str(checkout / WORKFLOW_FILES[workflow]), workflow, *extra]
 
 
+def workflow_inputs(workflow: str) -> List[str]:
+    """The input names of one of the shipped workflows (what a recipe for it may hold)."""
+    from fuseforge_flyte import workflows
+
+    return list(getattr(workflows, workflow).python_interface.inputs)
+
+
+def recipe_args(workflow: str, path: str) -> List[str]:
+    """The recipe at `path` as pyflyte options for `workflow`, its keys checked first."""
+    from fuseforge_flyte.recipes import check_keys, pyflyte_args, read_recipe
+
+    recipe = read_recipe(path)
+    check_keys(recipe, workflow_inputs(workflow), path)
+    return pyflyte_args(recipe)
+
+
 def cmd_run(args: argparse.Namespace, config: PlatformConfig) -> int:
     env = {**os.environ, **_override_env(args.overrides)}
     if args.remote and config.flyte.endpoint:
         env["FLYTE_PLATFORM_URL"] = config.flyte.endpoint
         env["FLYTE_PLATFORM_INSECURE"] = str(config.flyte.insecure)
-    command = pyflyte_command(config, args.workflow, args.remote, args.workflow_args)
+    extra = (recipe_args(args.workflow, args.recipe) if args.recipe else []) + args.workflow_args  # given ones win
+    command = pyflyte_command(config, args.workflow, args.remote, extra)
     if shutil.which(command[0]) is None:
         raise ConfigError("pyflyte not found: install fuseforge with the [platform] extra")
     print("+ " + " ".join(command), file=sys.stderr)
@@ -140,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a workflow with pyflyte (locally, or on the cluster with --remote)")
     run.add_argument("--remote", action="store_true", help="register and run on the Flyte cluster of [flyte]")
+    run.add_argument("--recipe", metavar="FILE", help="the workflow's inputs from a recipe (recipes/*.yaml); "
+                     "inputs given after the workflow's name win")
     run.add_argument("workflow", choices=sorted(WORKFLOW_FILES))
     run.add_argument("workflow_args", nargs=argparse.REMAINDER, help="workflow inputs, e.g. --steps 20")
     run.set_defaults(handler=cmd_run)
@@ -151,7 +171,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         args.overrides = _global_overrides(args)
         return args.handler(args, load_config(overrides=args.overrides))
-    except ConfigError as exc:
+    except (ConfigError, ValueError, FileNotFoundError) as exc:  # ConfigError is a ValueError; recipes raise both
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:  # ImageBuildError

@@ -23,7 +23,8 @@ class Comparison:
 
     def __str__(self) -> str:
         w, wo = self.with_kernels, self.without_kernels
-        lines = [f"with vs without fuseforge kernels: throughput {self.throughput_gain_pct:+.1f} %, peak memory "
+        # one reading order throughout: without -> with, the change the kernels make
+        lines = [f"without -> with fuseforge kernels: throughput {self.throughput_gain_pct:+.1f} %, peak memory "
                  f"{-self.memory_reduction_pct:+.1f} %, final loss difference {self.final_loss_diff:+.2e}",
                  f"  tokens/s {wo.tokens_per_s:,.0f} -> {w.tokens_per_s:,.0f}; peak memory {wo.peak_memory_gib:.2f} -> "
                  f"{w.peak_memory_gib:.2f} GiB; step p50 {wo.step_time_p50_s * 1e3:.1f} -> {w.step_time_p50_s * 1e3:.1f} ms"]

@@ -193,8 +193,8 @@ class TrackingConfig(_Section):
 # TrainSpec fields that platform.toml sets in [checkpoint] rather than [training].
 _CHECKPOINT_FIELDS = {"checkpoint_dir": "dir", "checkpoint_every": "every", "keep_last": "keep_last",
                       "allow_unsigned_checkpoints": "allow_unsigned_checkpoints"}
-# TrainSpec fields that are per run, never platform defaults (the task chooses where the model goes).
-_PER_RUN_FIELDS = {"output_dir"}
+# TrainSpec fields that are per run, never platform defaults.
+_PER_RUN_FIELDS: typing.Set[str] = set()
 
 
 def _training_defaults_class() -> type:

@@ -16,7 +16,6 @@ import enum
 import inspect
 import re
 import typing
-import warnings
 from typing import Any, Callable, Collection, Dict, TypeVar
 
 from fuseforge_flyte.training.spec import TrainSpec
@@ -24,12 +23,8 @@ from fuseforge_flyte.training.validation import CHOICES
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-# flytekit 1.16's pyflyte declares every bool input twice (--x/--no_x and --x/--no-x), and click warns
-# "The parameter --x is used more than once" several times per run. The options work; the noise is theirs.
-warnings.filterwarnings("ignore", message=r"The parameter --\w+ is used more than once", category=UserWarning)
-
 # Per-run values that the tasks set themselves; never inputs.
-NOT_INPUTS = frozenset({"dataset", "output_dir"})
+NOT_INPUTS = frozenset({"dataset"})
 
 
 def _choice_enum(class_name: str, field_name: str) -> type:

@@ -6,6 +6,7 @@ own-code task decorator.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -23,7 +24,7 @@ from flytekit.types.file import FlyteFile
 from flytekitplugins.kfpytorch.task import Elastic, PytorchElasticFunctionTask
 from kubernetes.client import V1PodSpec, V1Toleration
 
-from fuseforge_flyte import flyte_checkpoint
+from fuseforge_flyte import flyte_checkpoint, run_outputs
 from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, PlatformConfig
 from fuseforge_flyte.image import training_image
 from fuseforge_flyte.object_store import share_flyte_s3_settings
@@ -46,6 +47,9 @@ class ElasticTraining(Elastic):
     # Checks the task inputs in the launching process, so bad input fails once, before any worker
     # starts (else every worker fails and torch elastic restarts the group max_restarts times).
     check_inputs: Optional[Callable[..., None]] = None
+    # fit_inputs(world_size, inputs) -> the inputs to launch with: settings adapted to the number of workers
+    # (e.g. a batch that the data can fill), decided once in the launching process.
+    fit_inputs: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]] = None
 
 
 class ElasticTrainingTask(PytorchElasticFunctionTask):
@@ -53,9 +57,11 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
 
     A str input named `checkpoint_dir` left empty gets, on a cluster, a local directory that holds the
     previous attempt's checkpoints and is mirrored to the task's own Flyte checkpoint (see flyte_checkpoint).
+    A str input named `output_dir` left empty gets, locally, a new ./outputs/<model>-<UTC time> (run_outputs).
     """
 
     checkpoint_input = "checkpoint_dir"
+    output_input = "output_dir"
 
     def execute(self, **kwargs: Any) -> Any:
         for name, value in kwargs.items():  # fetched once per pod, not once per worker racing on one path
@@ -67,16 +73,33 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
         # addresses (see fuseforge_flyte.training.distributed); pods also get it from `environment`.
         launch_env = {SHARED_STORE_ENV: "1"}
         launcher: Any = super()
+        temp_root: Any = contextlib.nullcontext()
         state = FlyteContextManager.current_context().execution_state
-        if state is not None and state.is_local_execution():
+        local = state is not None and state.is_local_execution()
+        if local:
             launcher = self._one_local_node(launch_env)
+        if self.task_config.fit_inputs is not None:
+            launched = (launcher if local else self).task_config
+            kwargs = self.task_config.fit_inputs(self._world_size(launched), dict(kwargs))
+        if local:
+            launch_env[run_outputs.LOCAL_RUN_ENV] = "1"
+            run_outputs.remove_temp_dirs_at_exit()
+            temp_root = run_outputs.private_temp_dir()
+            if kwargs.get(self.output_input) == "":
+                kwargs[self.output_input] = run_outputs.new_output_dir("", str(kwargs.get("model") or "run"))
         elif kwargs.get(self.checkpoint_input) == "":
             kwargs[self.checkpoint_input] = self._default_checkpoint_dir(launch_env) or CHECKPOINT_OFF
         # an explicit user setting wins over the launch's own
-        with environment(launch_env, override=False), permanent.failure_directory():
+        with temp_root, environment(launch_env, override=False), permanent.failure_directory():
             result = launcher.execute(**kwargs)
         permanent.raise_if_failed(result)  # a failure that restarts cannot fix: raised once, not retried
         return result
+
+    @staticmethod
+    def _world_size(config: Elastic) -> int:
+        """Workers of a launch: nodes (the most an elastic range allows) x processes per node."""
+        nodes = int(str(config.nnodes).split(":")[-1])
+        return nodes * int(config.nproc_per_node)
 
     def _default_checkpoint_dir(self, launch_env: Dict[str, str]) -> Optional[str]:
         import flytekit
@@ -152,7 +175,8 @@ def on_every_worker(fn: Callable[..., Any]) -> Callable[..., Any]:
 # ------------------------------------------------------------------------------- decorator arguments
 
 
-def elastic_config(config: PlatformConfig, check_inputs: Optional[Callable[..., None]] = None) -> ElasticTraining:
+def elastic_config(config: PlatformConfig, check_inputs: Optional[Callable[..., None]] = None,
+                   fit_inputs: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]] = None) -> ElasticTraining:
     e = config.elastic
     return ElasticTraining(
         nnodes=e.nnodes,
@@ -168,6 +192,7 @@ def elastic_config(config: PlatformConfig, check_inputs: Optional[Callable[..., 
         },
         increase_shared_mem=False,  # /dev/shm comes from @task(shared_memory=...) below
         check_inputs=check_inputs,
+        fit_inputs=fit_inputs,
     )
 
 
@@ -200,13 +225,16 @@ def pod_template(config: PlatformConfig, *, placement: bool = True) -> PodTempla
     return PodTemplate(pod_spec=spec, annotations={CONFIG_ANNOTATION: config_digest(config)})
 
 
-def training_task_options(config: PlatformConfig, check_inputs: Optional[Callable[..., None]] = None) -> Dict[str, Any]:
-    """Keyword arguments of @task for the training task, all from platform.toml (check_inputs: see ElasticTraining)."""
+def training_task_options(config: PlatformConfig, check_inputs: Optional[Callable[..., None]] = None,
+                          fit_inputs: Optional[Callable[[int, Dict[str, Any]], Dict[str, Any]]] = None
+                          ) -> Dict[str, Any]:
+    """Keyword arguments of @task for the training task, all from platform.toml (check_inputs, fit_inputs: see
+    ElasticTraining)."""
     cluster = config.cluster
     # Strings: the kubernetes client behind pod templates rejects integer quantities.
     gpu = {"gpu": str(cluster.gpus)} if cluster.gpus > 0 else {}
     options: Dict[str, Any] = dict(
-        task_config=elastic_config(config, check_inputs),
+        task_config=elastic_config(config, check_inputs, fit_inputs),
         container_image=training_image(config),
         requests=Resources(cpu=cluster.cpu, mem=cluster.memory, **gpu),
         limits=Resources(mem=cluster.memory, **gpu),

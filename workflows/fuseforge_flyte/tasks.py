@@ -18,13 +18,15 @@ run the Triton kernels through the interpreter.
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
-from typing import Any, List, NamedTuple, Union
+from typing import Any, Dict, List, NamedTuple, Union
 
 from flytekit import Deck, task
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
+from fuseforge_flyte import run_outputs
 from fuseforge_flyte.comparison import Comparison, compare_metrics
 from fuseforge_flyte.config import get_config
 from fuseforge_flyte.console import ensure_console_logging
@@ -32,6 +34,8 @@ from fuseforge_flyte.fast_register import ship_whole_source_root
 from fuseforge_flyte.inputs import DataFormat, spec_values, summary_only, training_inputs
 from fuseforge_flyte.launch import (data_task_options, on_every_worker, summary_task_options,
                                     training_task_options)
+from fuseforge_flyte.run_outputs import returned_directory, task_output_dir
+from fuseforge_flyte.sampling import Samples
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 
 
@@ -46,6 +50,15 @@ def check_train_inputs(data: FlyteDirectory, **inputs: Any) -> None:
     check_teacher_fits(spec)
 
 
+def fit_train_inputs(world_size: int, inputs: Dict[str, Any]) -> Dict[str, Any]:
+    """The inputs with a batch_size that the prepared data fills on `world_size` workers (see fit_batch_to_data)."""
+    from fuseforge_flyte.training.data import fit_batch_to_data
+
+    data = inputs["data"]
+    spec = TrainSpec(dataset=data.path, **spec_values({k: v for k, v in inputs.items() if k != "data"}))
+    return dict(inputs, batch_size=fit_batch_to_data(spec, world_size))
+
+
 # ------------------------------------------------------------------------------- tasks
 
 CONFIG = get_config()
@@ -54,13 +67,20 @@ DEFAULTS = CONFIG.train_spec()
 
 # A dataset is a hub id or URI (str), or local files that `pyflyte run --remote` uploads (FlyteFile/-Directory).
 DataSource = Union[FlyteFile, FlyteDirectory, str]
-# Bump when the prepared format or the preparation's results change: cached preparations are then redone.
-DATA_CACHE_VERSION = "2"
+# Bump when the prepared format, the preparation's results or where they are kept change: cached preparations are
+# then redone (3: local outputs live in fuseforge's cache, not flytekit's temporary sandbox).
+DATA_CACHE_VERSION = "3"
 
 
 class TrainOutput(NamedTuple):
     metrics: TrainMetrics
     model: FlyteDirectory
+
+    def __repr__(self) -> str:
+        """The metrics' summary, which names where the model went (pyflyte prints outputs through repr)."""
+        return str(self.metrics)
+
+    __str__ = __repr__
 
 
 def source_path(dataset: DataSource) -> str:
@@ -100,17 +120,17 @@ def prepare_data(
     from fuseforge_flyte.data.spec import DataSpec
     from fuseforge_flyte.training.data import BENCHMARK_DATASETS, write_benchmark_marker
 
-    out_dir = tempfile.mkdtemp(prefix="fuseforge-data-")
+    out_dir = task_output_dir("data")
     source = source_path(dataset)
     if source in BENCHMARK_DATASETS:
         write_benchmark_marker(out_dir, source)
-        return FlyteDirectory(path=out_dir)
+        return returned_directory(out_dir)
     spec = DataSpec(dataset=source, model=model, seq_len=seq_len, tokenizer=tokenizer, data_format=data_format.value,
                     dataset_config=dataset_config, dataset_split=dataset_split, eval_fraction=eval_fraction,
                     eval_dataset=eval_dataset, packing=packing, seed=seed).validate()
     ensure_console_logging()
     prepare(spec, out_dir)
-    return FlyteDirectory(path=out_dir)
+    return returned_directory(out_dir)
 
 
 def _train_on_worker(spec: TrainSpec) -> TrainOutput:
@@ -130,11 +150,13 @@ def _train_on_worker(spec: TrainSpec) -> TrainOutput:
     from fuseforge_flyte import flyte_checkpoint
     from fuseforge_flyte.training.preemption import Preempted
 
+    if not spec.output_dir:  # on a cluster: a scratch directory that flytekit uploads as the model
+        spec = dataclasses.replace(spec, output_dir=tempfile.mkdtemp(prefix="fuseforge-model-"))
     try:
         metrics = train(spec, after_checkpoint=flyte_checkpoint.worker_hook())
     except Preempted as err:  # SIGTERM: checkpointed; Flyte retries the task and it resumes there
         raise FlyteRecoverableException(str(err)) from err
-    return TrainOutput(metrics=metrics, model=FlyteDirectory(path=spec.output_dir))
+    return TrainOutput(metrics=metrics, model=returned_directory(run_outputs.model_dir(spec.output_dir)))
 
 
 def run_training(spec: TrainSpec) -> TrainOutput:
@@ -143,7 +165,7 @@ def run_training(spec: TrainSpec) -> TrainOutput:
     return on_every_worker(_train_on_worker)(spec)
 
 
-@task(**training_task_options(CONFIG, check_inputs=check_train_inputs))
+@task(**training_task_options(CONFIG, check_inputs=check_train_inputs, fit_inputs=fit_train_inputs))
 @training_inputs(DEFAULTS)
 def train_model(data: FlyteDirectory, **settings: Any) -> TrainOutput:
     """Train a model on the prepared `data` with torch elastic on this task's GPUs; returns rank 0's
@@ -151,22 +173,21 @@ def train_model(data: FlyteDirectory, **settings: Any) -> TrainOutput:
 
     :param data: shards written by prepare_data (or a benchmark marker)
     """
-    return run_training(TrainSpec(dataset=data.path, **spec_values(settings),
-                                  output_dir=tempfile.mkdtemp(prefix="fuseforge-model-")))
+    return run_training(TrainSpec(dataset=data.path, **spec_values(settings)))
 
 
 summary_only(train_model)
 
 
 @task(**summary_task_options(CONFIG))
-def sample_model(model: FlyteDirectory, prompts: List[str], max_new_tokens: int = 32) -> List[str]:
+def sample_model(model: FlyteDirectory, prompts: List[str], max_new_tokens: int = 32) -> Samples:
     """Load a trained model directory with plain transformers and answer `prompts` (greedy): a smoke test
     of what `train` returned, shown in a Deck. Uses the tokenizer's chat template when it has one."""
     from fuseforge_flyte.sampling import generate, samples_html
 
     answers = generate(model.download(), prompts, max_new_tokens=max_new_tokens)
     Deck("Samples", samples_html(prompts, answers))
-    return answers
+    return Samples(prompts=list(prompts), answers=answers)
 
 
 @task(**summary_task_options(CONFIG))

@@ -18,17 +18,24 @@ from flytekit import workflow
 from flytekit.core.promise import Promise
 from flytekit.types.directory import FlyteDirectory
 
+from fuseforge_flyte import user_errors
 from fuseforge_flyte.comparison import Comparison
 from fuseforge_flyte.inputs import Dtype, summary_only, training_inputs
 from fuseforge_flyte.posttrain.dpo import DPOSettings
+from fuseforge_flyte.sampling import Samples
 from fuseforge_flyte.posttrain.tasks import (DPOLossType, DPOOutput, dpo_train, prepare_preference_data,
                                              reference_logps)
 from fuseforge_flyte.training.spec import CHECKPOINT_OFF, TrainMetrics
 from fuseforge_flyte.tasks import (DEFAULTS, DataSource, TrainOutput, fingerprint_data, prepare_data,
                                    sample_model, summarize_comparison, train_model)
 
-# Questions in the style of builtin:chat, for the demo's trained model to answer.
-DEMO_PROMPTS = ["What is the capital of France?", "How many letters are in the word apple?", "Hi there."]
+# Questions of builtin:chat's kinds, for the demo's trained model to answer, with what a right answer says.
+DEMO_PROMPTS = ["What is the capital of France?", "How many letters are in the word 'planet'?", "Hi there."]
+DEMO_EXPECTED = ["Paris", "6 letters", "What can I do for you?"]
+# Long enough on a CPU (a few minutes, kernels through Triton's interpreter) for the tiny model to answer each
+# question differently and mostly right: 100 steps of 8 packed rows (about 5 epochs), peak lr 6e-3.
+DEMO_STEPS = 100
+DEMO_LR = 6e-3
 
 
 # The data options: they go to the preparation task (and travel on to training, recorded in its checkpoints).
@@ -77,7 +84,7 @@ def distill(teacher: str, dataset: DataSource = DEFAULTS.dataset, **settings: An
 
 
 # compare: both runs from step 0 (no checkpoints to resume from), no eval (it measures training).
-NOT_COMPARED = ("kernels", "checkpoint_dir", "checkpoint_every", "keep_last", "resume_allow_changes",
+NOT_COMPARED = ("kernels", "output_dir", "checkpoint_dir", "checkpoint_every", "keep_last", "resume_allow_changes",
                 "allow_unsigned_checkpoints",
                 "eval_fraction", "eval_dataset", "eval_every",
                 "teacher", "distill_weight", "distill_beta", "distill_temperature")  # distillation needs kernels
@@ -94,7 +101,7 @@ def compare(dataset: DataSource = DEFAULTS.dataset, **settings: Any) -> Comparis
     """
     data = _prepared(dataset, eval_fraction=0.0, eval_dataset="",
                      **{name: settings[name] for name in DATA_INPUTS if not name.startswith("eval_")})
-    shared = dict(settings, data=data, checkpoint_dir=CHECKPOINT_OFF, checkpoint_every=0)
+    shared = dict(settings, data=data, checkpoint_dir=CHECKPOINT_OFF, checkpoint_every=0, output_dir="")
     fused = train_model(kernels=True, **shared).with_overrides(name="train-with-kernels")
     baseline = train_model(kernels=False, **shared).with_overrides(name="train-without-kernels")
     return summarize_comparison(with_kernels=fused.metrics, without_kernels=baseline.metrics)
@@ -114,7 +121,7 @@ def dpo(model: str, dataset: DataSource = "builtin:preferences", reference_model
         kernels: bool = True, loss_chunk_size: int = 0, lora: bool = DPO_DEFAULTS.lora,
         lora_rank: int = DPO_DEFAULTS.lora_rank, lora_alpha: float = DPO_DEFAULTS.lora_alpha,
         lora_dropout: float = DPO_DEFAULTS.lora_dropout, lora_target_modules: str = DPO_DEFAULTS.lora_target_modules,
-        qlora: bool = DPO_DEFAULTS.qlora) -> DPOOutput:
+        qlora: bool = DPO_DEFAULTS.qlora, output_dir: str = "") -> DPOOutput:
     """Direct preference optimisation of a causal LM on prompt/chosen/rejected pairs (TRL's DPOTrainer on
     fuseforge's fused DPO loss). The reference log-probs come from a cached task run once per dataset and
     reference model; returns the training and preference metrics and the trained model.
@@ -146,6 +153,8 @@ def dpo(model: str, dataset: DataSource = "builtin:preferences", reference_model
     :param lora_dropout: dropout on the adapters' input
     :param lora_target_modules: linear layers to adapt, comma-separated ("" = attention and MLP projections)
     :param qlora: LoRA over NF4 (4-bit, torchao) base weights
+    :param output_dir: where the trained policy (model/), metrics.json and settings.json go; empty: locally
+        ./outputs/<model>-<UTC time>, on a cluster Flyte's store
     """
     fingerprint = fingerprint_data(dataset=dataset, eval_dataset="", tokenizer="", model="")
     pairs = prepare_preference_data(dataset=dataset, fingerprint=fingerprint, dataset_config=dataset_config,
@@ -157,25 +166,26 @@ def dpo(model: str, dataset: DataSource = "builtin:preferences", reference_model
                      batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps,
                      eval_every=eval_every, seed=seed, kernels=kernels, loss_chunk_size=loss_chunk_size, lora=lora,
                      lora_rank=lora_rank, lora_alpha=lora_alpha, lora_dropout=lora_dropout,
-                     lora_target_modules=lora_target_modules, qlora=qlora)
+                     lora_target_modules=lora_target_modules, qlora=qlora, output_dir=output_dir)
 
 
 summary_only(train, compare, distill, dpo)
+user_errors.install_for_pyflyte()  # a user error ends a pyflyte run with one line (see user_errors.py)
 
 
 class DemoOutput(NamedTuple):
     metrics: TrainMetrics
     model: FlyteDirectory
-    answers: List[str]
+    samples: Samples  # each prompt beside its answer
 
 
 @workflow
-def demo(model: str = "tiny-llama", dataset: DataSource = "builtin:chat", steps: int = 60, batch_size: int = 4,
-         seq_len: int = 128, lr: float = 3e-3, eval_fraction: float = 0.1, eval_every: int = 20,
+def demo(model: str = "tiny-llama", dataset: DataSource = "builtin:chat", steps: int = DEMO_STEPS, batch_size: int = 4,
+         seq_len: int = 128, lr: float = DEMO_LR, eval_fraction: float = 0.1, eval_every: int = 25,
          kernels: bool = True, prompts: List[str] = DEMO_PROMPTS) -> DemoOutput:
     """The README's main job: a small supervised fine-tuning (chat data, BPE tokenizer, loss on the assistant
     turns only, packed, with eval), then the returned model loaded by plain transformers and asked questions."""
     out = train(model=model, dataset=dataset, steps=steps, batch_size=batch_size, seq_len=seq_len, lr=lr,
                 eval_fraction=eval_fraction, eval_every=eval_every, kernels=kernels, dtype=Dtype.FP32, warmup_steps=5)
-    answers = sample_model(model=out.model, prompts=prompts)
-    return DemoOutput(metrics=out.metrics, model=out.model, answers=answers)
+    samples = sample_model(model=out.model, prompts=prompts)
+    return DemoOutput(metrics=out.metrics, model=out.model, samples=samples)

@@ -70,9 +70,11 @@ def _fingerprint(spec: DataSpec, what: str) -> str:
 
 def prepare(spec: DataSpec, out_dir: str) -> DataManifest:
     """Tokenize, mask, pack and write `spec`'s data into `out_dir`; returns the manifest written there."""
+    from fuseforge_flyte.quiet import disable_progress_bars
     from fuseforge_flyte.training.models import PRESETS
 
     spec.validate()
+    disable_progress_bars()  # the summary line below says what was prepared
     preset = spec.model in PRESETS
     config = load_model_config(spec.model)
     check_fits_model({"seq_len": spec.seq_len}, config, preset=preset)

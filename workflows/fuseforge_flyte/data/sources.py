@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import List, Optional, Tuple
 
+from fuseforge_flyte import hub
+from fuseforge_flyte.data.file_errors import first_non_utf8, first_unreadable_line
 from fuseforge_flyte.data.builtin import BUILTIN_DATASETS, asset_path
 from fuseforge_flyte.data.spec import BUILDERS, is_uri, local_path, looks_like_hub_id
 
@@ -76,6 +78,16 @@ def _strip_documents(dataset):
     return dataset.map(strip, batched=True).filter(nonempty, batched=True)
 
 
+def _read_error(field: str, source: str, builder: str, split: str, err: Exception) -> Exception:
+    """datasets' own error, named: an OSError as it is, a bad split, or a generation error's cause."""
+    if isinstance(err, OSError):
+        return err
+    if isinstance(err, ValueError) and not isinstance(err, UnicodeDecodeError):
+        return ValueError(f"DataSpec.{field}: could not read {source!r} with split {split!r}: {err}")
+    cause = err.__cause__ or err  # datasets' generation errors (ragged CSV...) carry the cause
+    return ValueError(f"DataSpec.{field}: could not read {source!r} as {builder}: {cause}")
+
+
 def load_source(source: str, *, field: str = "dataset", config: str = "", split: str = "train",
                 cache_dir: Optional[str] = None):
     """The examples of DataSpec.<field> as a `datasets.Dataset` (errors name the field and the source).
@@ -90,12 +102,15 @@ def load_source(source: str, *, field: str = "dataset", config: str = "", split:
     elif source.startswith("builtin:"):
         raise ValueError(f"DataSpec.{field}: unknown builtin dataset {source!r}; known: {sorted(BUILTIN_DATASETS)}")
     if looks_like_hub_id(source) and not is_uri(source):
-        try:
-            dataset = datasets.load_dataset(source, name=config or None, split=split)
-        except (datasets.exceptions.DatasetNotFoundError, FileNotFoundError) as err:
-            raise ValueError(f"DataSpec.{field}: hub dataset {source!r} not found or not reachable ({err})") from err
-        except ValueError as err:  # unknown split or config
-            raise ValueError(f"DataSpec.{field}: {source!r} (config {config!r}, split {split!r}): {err}") from err
+        def load_from_hub():
+            try:
+                return datasets.load_dataset(source, name=config or None, split=split)
+            except (datasets.exceptions.DatasetNotFoundError, FileNotFoundError) as err:
+                raise ValueError(f"DataSpec.{field}: hub dataset {source!r} not found or not reachable ({err})") from err
+            except ValueError as err:  # unknown split or config
+                raise ValueError(f"DataSpec.{field}: {source!r} (config {config!r}, split {split!r}): {err}") from err
+
+        dataset = hub.load_hub_id(load_from_hub, option=field, hub_id=source, what="dataset")
     else:
         builder, files = _list_files(source, field)
         if _all_blank(files):
@@ -103,13 +118,17 @@ def load_source(source: str, *, field: str = "dataset", config: str = "", split:
         kwargs = {"sample_by": "paragraph"} if builder == "text" else {}
         try:
             dataset = datasets.load_dataset(builder, data_files=files, split=split, cache_dir=cache_dir, **kwargs)
-        except (FileNotFoundError, OSError):
+        except FileNotFoundError:
             raise
-        except ValueError as err:
-            raise ValueError(f"DataSpec.{field}: could not read {source!r} with split {split!r}: {err}") from err
-        except Exception as err:  # datasets' generation errors (bad JSON, ragged CSV...) carry the cause
-            cause = err.__cause__ or err
-            raise ValueError(f"DataSpec.{field}: could not read {source!r} as {builder}: {cause}") from err
+        except Exception as err:
+            where = first_unreadable_line(files, builder)  # the file and line, which datasets does not name
+            if where is None:
+                raise _read_error(field, source, builder, split, err) from err
+            raise ValueError(f"DataSpec.{field}: {where}") from err
+        local_files = [f for f in files if not is_uri(f) or f.startswith("file://")]
+        where = first_non_utf8([local_path(f) or f for f in local_files]) if builder != "parquet" else None
+        if where is not None:  # loaded, but the bytes would fail later, in tokenization, naming nothing
+            raise ValueError(f"DataSpec.{field}: {where}")
         if builder == "text":
             dataset = _strip_documents(dataset)
     if isinstance(dataset, datasets.IterableDataset):

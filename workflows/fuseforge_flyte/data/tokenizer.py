@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 
+from fuseforge_flyte import hub
 from fuseforge_flyte.data.builtin import BUILTIN_TOKENIZER, TOKENIZER_DIR, asset_path
 from fuseforge_flyte.data.spec import WEIGHT_FILE_SUFFIXES, is_uri, local_path, looks_like_hub_id
 
@@ -74,7 +75,9 @@ def load_tokenizer(source: str, model: str):
         if not os.path.exists(directory):
             if looks_like_hub_id(resolved):
                 try:
-                    return AutoTokenizer.from_pretrained(resolved)
+                    return hub.load_hub_id(lambda: AutoTokenizer.from_pretrained(resolved),
+                                           option="tokenizer" if source else "model", hub_id=resolved,
+                                           what="tokenizer" if source else "model")
                 except OSError as err:
                     raise ValueError(f"{what}: no tokenizer found at hub id {resolved!r} ({err})") from err
             raise FileNotFoundError(f"{what}: no tokenizer found at {resolved!r}: no such directory")

@@ -19,17 +19,17 @@ sigmoid loss is exactly log 2.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional
 
+from fuseforge_flyte.console import ensure_console_logging
 from fuseforge_flyte.posttrain.preferences import load_prepared
 
-try:
-    from transformers import TrainerCallback
-except ImportError:  # the module stays importable for the workflow's registration without transformers
-    TrainerCallback = object
+log = logging.getLogger("fuseforge.training")
 
 TOKENIZED_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 REFERENCE_COLUMNS = ("ref_chosen_logps", "ref_rejected_logps")
@@ -228,14 +228,36 @@ class PreferenceMetrics:
     eval_reward_accuracy: Optional[float] = None
     eval_reward_margin: Optional[float] = None
 
+    def __str__(self) -> str:
+        """A short summary (what `pyflyte run` prints); the curves stay in the fields and the Deck."""
+        def number(value: Optional[float], digits: int) -> str:
+            return "n/a" if value is None else f"{value:.{digits}f}"
+
+        text = (f"reward accuracy {number(self.reward_accuracy, 2)}   reward margin {number(self.reward_margin, 4)}")
+        if self.eval_reward_accuracy is not None:
+            text += (f"   eval reward accuracy {number(self.eval_reward_accuracy, 2)}   eval reward margin "
+                     f"{number(self.eval_reward_margin, 4)}")
+        loss = f"{self.loss_type} ({'fused' if self.fused_loss else 'TRL'} loss)"
+        return f"{text}   loss {loss}   reference {self.reference_model}"
+
+    __repr__ = __str__  # pyflyte prints outputs (and tuples of them) through repr
+
 
 def _tail_mean(curve: List[float]) -> Optional[float]:
     tail = curve[-max(1, len(curve) // 10):]
     return sum(tail) / len(tail) if tail else None
 
 
-class PreferenceLog(TrainerCallback):
-    """Collects DPOTrainer's logged reward accuracy and margin, per step and at eval."""
+def preference_callback() -> "PreferenceLog":
+    """A PreferenceLog that is a transformers TrainerCallback too. transformers' trainer modules are imported here,
+    not with this module: they take seconds, and loading the workflows for pyflyte does not need them."""
+    from transformers import TrainerCallback
+
+    return type("PreferenceLogCallback", (PreferenceLog, TrainerCallback), {})()
+
+
+class PreferenceLog:
+    """Collects DPOTrainer's logged reward accuracy and margin, per step and at eval (see preference_callback)."""
 
     def __init__(self):
         self.accuracy: List[float] = []
@@ -248,9 +270,31 @@ class PreferenceLog(TrainerCallback):
         if "rewards/accuracies" in logs:
             self.accuracy.append(float(logs["rewards/accuracies"]))
             self.margin.append(float(logs.get("rewards/margins", float("nan"))))
+            if state.is_world_process_zero:
+                self._log_step(args, state, logs)
         if "eval_rewards/accuracies" in logs:
             self.eval_accuracy = float(logs["eval_rewards/accuracies"])
             self.eval_margin = float(logs.get("eval_rewards/margins", float("nan")))
+            if state.is_world_process_zero:
+                log.info("eval after step %d: loss %.4f reward accuracy %.2f margin %.4f", state.global_step,
+                         float(logs.get("eval_loss", float("nan"))), self.eval_accuracy, self.eval_margin)
+
+    def _log_step(self, args, state, logs) -> None:
+        """The engine's progress line, for DPO (instead of the Trainer's printed dict)."""
+        import time
+
+        import torch
+
+        from fuseforge_flyte.training.metrics import peak_memory_gib
+
+        now, tokens = time.perf_counter(), float(state.num_input_tokens_seen or 0)
+        last_time, last_tokens = getattr(self, "_last", (None, 0.0))
+        rate = "" if last_time is None or now <= last_time else f" | {(tokens - last_tokens) / (now - last_time):,.0f} tok/s"
+        self._last = (now, tokens)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        log.info("step %d/%d loss %.4f reward accuracy %.2f margin %.4f lr %.3g%s | mem %.2f GiB", state.global_step,
+                 state.max_steps, float(logs.get("loss", float("nan"))), self.accuracy[-1], self.margin[-1],
+                 float(logs.get("learning_rate", float("nan"))), rate, peak_memory_gib(device))
 
     def summary(self, settings: DPOSettings, notes: List[str]) -> PreferenceMetrics:
         return PreferenceMetrics(loss_type=settings.loss_type, reference_model=settings.reference,
@@ -278,7 +322,17 @@ def dpo_trainer(settings: DPOSettings, data_dir: str, *, callbacks=()):
         from fuseforge.transformers.lora import quantize_base_nf4
 
         quantize_base_nf4(trainer.model)
+    _without_printed_dicts(trainer)
     return trainer, tokenizer, _patch(trainer, settings)
+
+
+def _without_printed_dicts(trainer) -> None:
+    """The Trainer prints each log as a raw dict (PrinterCallback, ProgressCallback); PreferenceLog logs the step
+    lines instead."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
 
 
 def train_dpo(settings: DPOSettings, data_dir: str, output_dir: str, dataset_name: str = ""):
@@ -288,11 +342,13 @@ def train_dpo(settings: DPOSettings, data_dir: str, output_dir: str, dataset_nam
     """
     from fuseforge_flyte.measure import FuseforgeMetricsCallback
 
-    metrics, preference = FuseforgeMetricsCallback(dataset=dataset_name, model_name=settings.model), PreferenceLog()
+    metrics, preference = FuseforgeMetricsCallback(dataset=dataset_name, model_name=settings.model), preference_callback()
     trainer, tokenizer, notes = dpo_trainer(settings, data_dir, callbacks=[metrics, preference])
+    ensure_console_logging()
     trainer.train()
     if trainer.eval_dataset is not None:
         trainer.evaluate()
+    shutil.rmtree(trainer.args.output_dir, ignore_errors=True)  # the Trainer's scratch directory (nothing saved)
     if trainer.is_world_process_zero():
         trainer.save_model(output_dir)
         tokenizer.save_pretrained(output_dir)

@@ -17,6 +17,7 @@ from typing import NamedTuple
 from flytekit import Cache, Deck, task
 from flytekit.types.directory import FlyteDirectory
 
+from fuseforge_flyte import run_outputs
 from fuseforge_flyte.launch import data_task_options
 from fuseforge_flyte.inputs import spec_values
 from fuseforge_flyte.posttrain.dpo import LOSS_TYPES, DPOSettings, PreferenceMetrics
@@ -24,8 +25,8 @@ from fuseforge_flyte.tasks import CONFIG, DataSource, source_path
 from fuseforge_flyte.training.spec import TrainMetrics
 from fuseforge_flyte.user_task import training_task
 
-PREFERENCE_CACHE_VERSION = "1"
-REFERENCE_CACHE_VERSION = "1"
+PREFERENCE_CACHE_VERSION = "2"
+REFERENCE_CACHE_VERSION = "2"
 
 DPOLossType = enum.Enum("DPOLossType", {value.upper(): value for value in LOSS_TYPES}, module=__name__)
 DPOLossType.__doc__ = "TRL's DPO loss types (sigmoid, hinge, ipo and robust run on fuseforge's fused DPO loss)."
@@ -44,10 +45,10 @@ def prepare_preference_data(dataset: DataSource, fingerprint: str, dataset_confi
     """Check every prompt/chosen/rejected row and save the pairs (cached on the dataset's fingerprint)."""
     from fuseforge_flyte.posttrain.preferences import prepare_preferences
 
-    out_dir = tempfile.mkdtemp(prefix="fuseforge-preferences-")
+    out_dir = run_outputs.task_output_dir("preferences")
     prepare_preferences(source_path(dataset), out_dir, config=dataset_config, split=dataset_split,
                         eval_fraction=eval_fraction, seed=seed)
-    return FlyteDirectory(path=out_dir)
+    return run_outputs.returned_directory(out_dir)
 
 
 def _check_dpo_inputs(**inputs) -> None:
@@ -75,13 +76,13 @@ def reference_logps(data: FlyteDirectory, model: str, reference_model: str, toke
 
     settings = DPOSettings(model=model, reference_model=reference_model, tokenizer=tokenizer, max_length=max_length,
                            batch_size=batch_size, seed=seed, kernels=kernels)
-    out_dir = tempfile.mkdtemp(prefix="fuseforge-reference-")
+    out_dir = run_outputs.task_output_dir("reference")  # cached: locally it must outlive this run
     summary = score_reference(settings, data.path, out_dir)
     if int(os.environ.get("RANK", "0")) == 0:
         from fuseforge_flyte.decks import table_html
 
         Deck("Reference log-probs", table_html(["", "value"], [[k, v] for k, v in summary.items()]))
-    return FlyteDirectory(path=out_dir)
+    return run_outputs.returned_directory(out_dir)
 
 
 @training_task(check_inputs=_check_dpo_inputs)
@@ -90,16 +91,20 @@ def dpo_train(data: FlyteDirectory, model: str, reference_model: str, tokenizer:
               label_smoothing: float, max_length: int, steps: int, batch_size: int, grad_accum: int, lr: float,
               warmup_steps: int, eval_every: int, seed: int, kernels: bool, loss_chunk_size: int,
               lora: bool = False, lora_rank: int = 16, lora_alpha: float = 32.0, lora_dropout: float = 0.0,
-              lora_target_modules: str = "", qlora: bool = False) -> DPOOutput:
+              lora_target_modules: str = "", qlora: bool = False, output_dir: str = "") -> DPOOutput:
     """Train the policy with TRL's DPOTrainer on the scored pairs (fused DPO loss with kernels on; LoRA adapters
     with lora/qlora, whose reference is the scored base model)."""
     from fuseforge_flyte.posttrain.dpo import train_dpo
 
     settings = _settings(dict(locals()))
-    output_dir = tempfile.mkdtemp(prefix="fuseforge-dpo-model-")
-    metrics, preference = train_dpo(settings, data.path, output_dir, dataset_name="preferences")
+    output_dir = output_dir or tempfile.mkdtemp(prefix="fuseforge-dpo-")  # "" reaches a worker on a cluster only
+    metrics, preference = train_dpo(settings, data.path, run_outputs.model_dir(output_dir),
+                                    dataset_name="preferences")
+    metrics.output_dir = output_dir if run_outputs.is_local_run() else ""
     if int(os.environ.get("RANK", "0")) == 0:
         from fuseforge_flyte.decks import preference_deck_html
 
+        run_outputs.write_run_record(output_dir, metrics, settings)
         Deck("Preference metrics", preference_deck_html(preference))
-    return DPOOutput(metrics=metrics, preference=preference, model=FlyteDirectory(path=output_dir))
+    return DPOOutput(metrics=metrics, preference=preference,
+                     model=run_outputs.returned_directory(run_outputs.model_dir(output_dir)))

@@ -127,6 +127,11 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint where some exist, an incompatible one, or a checkpoint cannot be written."""
 
 
+class ResumeMismatch(CheckpointError):
+    """A verified checkpoint of another model, strategy or settings: the same run meets it again on every
+    restart, so it is not retried (training/permanent.py)."""
+
+
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
@@ -712,7 +717,7 @@ class CheckpointManager:
                 continue
             verdict: _Verdict = self.ctx.broadcast_object(self._verify(entry) if self.ctx.is_main else None)
             if verdict.fatal:
-                raise CheckpointError(verdict.fatal)
+                raise ResumeMismatch(verdict.fatal)
             reason = verdict.reason or self._load(entry, verdict.marker, verdict.changed)
             if reason is None:
                 if self.ctx.is_main:

@@ -215,6 +215,32 @@ def check_prepared_fits(spec) -> None:
         check_fits_model(manifest, load_config(spec.model))
 
 
+def fit_batch_to_data(spec, world_size: int) -> int:
+    """The batch_size to train `spec` with on `world_size` workers: as given when the prepared data holds one
+    global step (world_size x batch_size x grad_accum sequences), else the largest that it fills, with a message;
+    a ValueError naming the numbers when not even batch_size 1 fits."""
+    if resolve_benchmark(spec.dataset) is not None:
+        return spec.batch_size
+    from fuseforge_flyte.data.shards import read_manifest
+
+    sequences = read_manifest(spec.dataset).train_sequences
+    per_batch_row = world_size * spec.grad_accum
+    if sequences >= per_batch_row * spec.batch_size:
+        return spec.batch_size
+    needed = f"{world_size} workers x batch_size {spec.batch_size} x grad_accum {spec.grad_accum}"
+    if sequences < per_batch_row:
+        raise ValueError(
+            f"TrainSpec.dataset: the prepared data holds {sequences} training sequences of seq_len {spec.seq_len}, "
+            f"fewer than one global step of {needed} = {per_batch_row * spec.batch_size} needs, even with "
+            f"batch_size 1 ({per_batch_row}): use more data, a smaller seq_len or grad_accum, or fewer workers")
+    fitted = sequences // per_batch_row
+    log.warning("the prepared data holds %d training sequences of seq_len %d, fewer than one global step of %s = %d "
+                "needs: training with batch_size %d (global batch %d); more data or a smaller seq_len keeps "
+                "batch_size %d", sequences, spec.seq_len, needed, per_batch_row * spec.batch_size, fitted,
+                fitted * per_batch_row, spec.batch_size)
+    return fitted
+
+
 def _check_seq_len(spec, manifest, directory: str) -> None:
     if manifest.seq_len != spec.seq_len:
         raise ValueError(

@@ -28,7 +28,7 @@ def check_teacher_fits(spec: TrainSpec) -> None:
     (a preset's vocabulary follows the data's tokenizer, so it is checked in the worker)."""
     if not spec.teacher or spec.teacher in PRESETS or spec.model in PRESETS:
         return
-    teacher, student = load_config(spec.teacher).vocab_size, load_config(spec.model).vocab_size
+    teacher, student = load_config(spec.teacher, option="teacher").vocab_size, load_config(spec.model).vocab_size
     if teacher != student:
         raise ValueError(f"TrainSpec.teacher: {spec.teacher!r} has a vocabulary of {teacher} tokens, the student "
                          f"{spec.model!r} has {student}: distillation needs one shared vocabulary (tokenizer)")
@@ -38,7 +38,7 @@ class Teacher:
     """The frozen teacher of a run with TrainSpec.teacher, built on `device` in `dtype`."""
 
     def __init__(self, spec: TrainSpec, student: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                 attn_implementation: str):
+                 attn_implementation: str, *, log_it: bool = True):
         vocab = student.get_output_embeddings().weight.shape[0]
         model = build_model(spec.teacher, seed=spec.seed, device=device,
                             vocab_size=vocab if spec.teacher in PRESETS else None)
@@ -65,9 +65,10 @@ class Teacher:
         model.requires_grad_(False).eval().to(dtype)
         self.model, self.decoder, self.head = model, model.base_model, head
         self.spec = spec
-        log.info("teacher %s (%.3gM parameters, %s) for distillation: weight %g, beta %g, temperature %g",
-                 spec.teacher, sum(p.numel() for p in model.parameters()) / 1e6, str(dtype).replace("torch.", ""),
-                 spec.distill_weight, spec.distill_beta, spec.distill_temperature)
+        if log_it:  # rank 0 only: one line per run, not one per worker
+            log.info("teacher %s (%.3gM parameters, %s) for distillation: weight %g, beta %g, temperature %g",
+                     spec.teacher, sum(p.numel() for p in model.parameters()) / 1e6,
+                     str(dtype).replace("torch.", ""), spec.distill_weight, spec.distill_beta, spec.distill_temperature)
 
     @torch.no_grad()
     def target(self, batch: Dict[str, torch.Tensor]):

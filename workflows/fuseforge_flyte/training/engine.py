@@ -23,7 +23,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from fuseforge_flyte import run_outputs
 from fuseforge_flyte.console import ensure_console_logging
+from fuseforge_flyte.quiet import quiet_third_party
 from fuseforge_flyte.training import faults, fp8, lora
 from fuseforge_flyte.training import permanent, planner, preemption, tracking
 from fuseforge_flyte.training.checkpoint import CheckpointManager, run_settings
@@ -140,7 +142,7 @@ class _Run:
             from fuseforge_flyte.training.distill import Teacher
 
             self.teacher = Teacher(spec, model, ctx.device, compute_torch_dtype(spec, ctx.device),
-                                   model.config._attn_implementation)
+                                   model.config._attn_implementation, log_it=ctx.is_main)
         if spec.gradient_checkpointing:
             planner.set_activation_checkpointing(model, 1)
         if spec.compile:  # the final layers (kernels, fp8, checkpointing), before the strategy wraps them
@@ -375,10 +377,11 @@ class _Run:
         from fuseforge_flyte.training.export import save_pretrained_model
 
         tokenizer_dir = self.data.tokenizer_dir if self.data is not None else None
+        model_dir = run_outputs.model_dir(self.spec.output_dir)
         if self.lora:  # the adapter directory (PEFT format), merged model on request
-            out = lora.save_adapter(self.strategy, self.ctx, self.spec, self.spec.output_dir, tokenizer_dir)
+            out = lora.save_adapter(self.strategy, self.ctx, self.spec, model_dir, tokenizer_dir)
         else:
-            out = save_pretrained_model(self.strategy, self.ctx, self.spec.output_dir, tokenizer_dir=tokenizer_dir)
+            out = save_pretrained_model(self.strategy, self.ctx, model_dir, tokenizer_dir=tokenizer_dir)
         if self.ctx.is_main:
             log.info("saved the trained model to %s", out)
         return out or ""
@@ -430,6 +433,7 @@ def train(spec: TrainSpec, *, after_checkpoint: Optional[Callable[[str], None]] 
     spec.validate()
     ensure_console_logging()
     ctx = DistContext.from_env(need_group=strategy_class(spec.strategy).needs_process_group)
+    quiet_third_party(cuda=ctx.device.type == "cuda")
     run, tracker = None, tracking.Tracker()
     try:
         if ctx.device.type == "cpu" and spec.dtype != "fp32" and ctx.is_main:
@@ -448,11 +452,13 @@ def train(spec: TrainSpec, *, after_checkpoint: Optional[Callable[[str], None]] 
                 raise
         metrics = run.metrics(steps_redone)
         if spec.output_dir:
-            metrics.model_dir = run.save_model()
+            metrics.model_dir, metrics.output_dir = run.save_model(), spec.output_dir
+            if ctx.is_main:
+                run_outputs.write_run_record(spec.output_dir, metrics, spec)
         if ctx.is_main:
-            log.info("done: %d steps, final loss %.4f, %.0f tok/s, MFU %.1f%%, peak %.2f GiB", metrics.steps,
+            log.info("done: %d steps, final loss %.4f, %.0f tok/s, MFU %s, peak %.2f GiB", metrics.steps,
                      metrics.final_loss if math.isfinite(metrics.final_loss) else float("nan"),
-                     metrics.tokens_per_s, 100 * metrics.mfu, metrics.peak_memory_gib)
+                     metrics.tokens_per_s, metrics.mfu_text(), metrics.peak_memory_gib)
         tracker.finish(metrics)
         return metrics
     finally:

@@ -10,6 +10,7 @@ local cache first, since from_pretrained reads local directories and hub ids onl
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass
@@ -17,7 +18,9 @@ from typing import Dict, Optional
 
 import torch
 
+from fuseforge_flyte import hub
 from fuseforge_flyte.data.spec import is_uri, local_path
+from fuseforge_flyte.quiet import quiet_third_party
 from fuseforge_flyte.training.data import BYTE_VOCAB_SIZE
 
 _TINY = dict(vocab_size=BYTE_VOCAB_SIZE, num_hidden_layers=2, max_position_embeddings=4096)
@@ -117,6 +120,9 @@ def _looks_like_hf_id(name: str) -> bool:
 
 
 def unknown_model_message(name: str, field: str = "model") -> str:
+    close = difflib.get_close_matches(name, sorted(PRESETS), n=1)
+    if close:
+        return f"TrainSpec.{field}: unknown model {name!r}: did you mean {close[0]!r}?"
     return (f"TrainSpec.{field}: unknown model {name!r}: use a preset ({', '.join(sorted(PRESETS))}), "
             f"a Hugging Face model directory or its fsspec URI (s3://, gs://, file://), a path to a config.json, "
             f"or a Hugging Face id like 'org/name'")
@@ -157,8 +163,9 @@ def _read_remote_json(uri: str) -> dict:
             from None
 
 
-def load_config(name: str, vocab_size: Optional[int] = None):
-    """The transformers config for a preset, a config.json path or URI (or its directory) or an HF id.
+def load_config(name: str, vocab_size: Optional[int] = None, *, option: str = "model"):
+    """The transformers config for a preset, a config.json path or URI (or its directory) or an HF id
+    (`option`: the input that named it, for the message when the hub cannot be reached).
 
     `vocab_size` sets a preset's vocabulary (a from-scratch model takes the data tokenizer's); it is
     ignored for everything else, whose vocabulary is fixed by its config (the data layer checks the fit).
@@ -187,7 +194,7 @@ def load_config(name: str, vocab_size: Optional[int] = None):
         uri = _remote_config_uri(name)
         return _config_from_dict(_read_remote_json(uri), uri)
     if _looks_like_hf_id(name):
-        return AutoConfig.from_pretrained(name)
+        return hub.load_hub_id(lambda: AutoConfig.from_pretrained(name), option=option, hub_id=name, what="model")
     raise ValueError(unknown_model_message(name))
 
 
@@ -313,6 +320,7 @@ def build_model(name: str, *, seed: int, device: torch.device, vocab_size: Optio
     Random init from `seed` for presets (`vocab_size` overrides theirs), a config.json, or a
     directory holding only a config.json. `vocab_size` is ignored for everything but presets.
     """
+    quiet_third_party(cuda=torch.device(device).type == "cuda")  # before transformers loads its model code
     from transformers import AutoModelForCausalLM
 
     name = _base_of_adapter(name)

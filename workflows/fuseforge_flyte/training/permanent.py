@@ -54,7 +54,9 @@ PERMANENT_ERRORS = (ValueError, TypeError, KeyError, NotImplementedError, Import
 
 
 def is_permanent(error: BaseException) -> bool:
-    return isinstance(error, PERMANENT_ERRORS)
+    from fuseforge_flyte.training.checkpoint import ResumeMismatch  # imported here: checkpoint imports much more
+
+    return isinstance(error, PERMANENT_ERRORS + (ResumeMismatch,))
 
 
 def _directory() -> Optional[str]:

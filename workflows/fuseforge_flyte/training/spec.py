@@ -100,8 +100,11 @@ class TrainSpec:
     nonfinite_policy: str = _setting("raise", "on a non-finite loss: raise (stop) or skip (drop the step on every "
                                      "rank)")
     log_every: int = _setting(1, "steps between progress lines")
-    # where rank 0 writes the trained model as a Hugging Face directory at the end; None = not saved
-    output_dir: Optional[str] = None
+    output_dir: str = _setting("", "where the run's results go: the trained model (model/, Hugging Face format), "
+                               "metrics.json and settings.json (the resolved settings); a local directory or "
+                               "fsspec URI. Empty: a workflow run locally writes to ./outputs/<model>-<UTC time> "
+                               "(printed at the end), on a cluster the model stays in Flyte's store; the engine "
+                               "alone saves nothing")
 
     @property
     def checkpoint_location(self) -> Optional[str]:
@@ -170,14 +173,19 @@ class TrainMetrics:
     loss_tokens_per_step: float = 0.0  # tokens that carry a loss, per step on average (packing and masking)
     dataset: str = ""  # what the run trained on (the prepared data's source)
     model_dir: str = ""  # where the trained model was written ("" when not saved)
+    output_dir: str = ""  # the run's results: model/, metrics.json, settings.json ("" when not saved)
     fp8_linears: int = 0  # linear layers that computed in FP8 (TrainSpec.fp8; see training/fp8.py)
     # the planner's choice and every probe it measured, as JSON (training/planner.py Plan.from_json);
     # "" when the layout was used as given (plan='off', CPU, unsupported strategy)
     plan: str = ""
 
+    def mfu_text(self) -> str:
+        """MFU as a percentage, or "n/a" where the device's peak is unknown (CPU): never a misleading 0.0 %."""
+        return f"{self.mfu * 100:.1f} %" if self.mfu else "n/a"
+
     def __str__(self) -> str:
         """A short summary (what `pyflyte run` prints); the fields hold everything."""
-        mfu = f"{self.mfu * 100:.1f} %" if self.mfu else "n/a"
+        mfu = self.mfu_text()
         rows = [
             f"{self.model} on {self.dataset or '?'} · {self.strategy} · {self.world_size} x {self.device} · "
             f"{'fuseforge kernels' if self.kernels else 'no kernels'} · {self.dtype}"
@@ -192,7 +200,9 @@ class TrainMetrics:
             from fuseforge_flyte.training.planner import Plan
 
             rows.append(f"  plan: {Plan.from_json(self.plan).summary()}")
-        if self.model_dir:
+        if self.output_dir:
+            rows.append(f"  output: {self.output_dir} (model/, metrics.json, settings.json)")
+        elif self.model_dir:
             rows.append(f"  model: {self.model_dir}")
         return "\n".join(rows)
 

@@ -133,13 +133,16 @@ def _check_data(spec) -> None:
     if spec.dataset.startswith("bench:"):
         raise ValueError(f"TrainSpec.dataset: unknown benchmark dataset {spec.dataset!r}; "
                          f"use one of {list(BENCHMARK_DATASETS)}")
-    from fuseforge_flyte.data.shards import is_prepared_dir
+    from fuseforge_flyte.data.shards import is_prepared_dir, read_manifest
 
-    if is_prepared_dir(spec.dataset):
+    prepared = is_prepared_dir(spec.dataset)
+    has_eval = spec.eval_fraction or spec.eval_dataset or (prepared and read_manifest(spec.dataset).eval_sequences)
+    if spec.eval_every and not has_eval:  # before the prepared-data return: the task gets prepared data
+        raise ValueError(f"TrainSpec.eval_every={spec.eval_every} needs eval data: set eval_fraction (e.g. 0.05) or "
+                         f"eval_dataset, or eval_every 0")
+    if prepared:
         return  # prepared with its own options, checked then
     try:
         spec.data_spec().validate()
     except (ValueError, FileNotFoundError) as err:  # one error type for every bad TrainSpec value
         raise ValueError(str(err).replace("DataSpec.", "TrainSpec.")) from None
-    if spec.eval_every and not (spec.eval_fraction or spec.eval_dataset):
-        raise ValueError("TrainSpec.eval_every > 0 needs eval data: set eval_fraction or eval_dataset")

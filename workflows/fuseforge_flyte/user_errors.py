@@ -1,0 +1,98 @@
+"""A user error ends a run with one line naming the option and its fix; the traceback goes to a log file.
+
+pyflyte prints every exception as a rich traceback of 45-390 lines (flytekit's frames, torch elastic's), above a
+message that already says what was wrong. For an error in what the user gave (a setting, the data, the model,
+the resume settings) the frames add nothing, so under pyflyte (and the engine's CLI) such an error prints:
+
+    full traceback: ~/.cache/fuseforge/logs/<time>.log (pyflyte --verbose run ... prints it)
+    error: --model: unknown model 'tiny-lama' (did you mean 'tiny-llama'?) ...
+
+`pyflyte --verbose run ...` keeps pyflyte's own output. Any other exception (a bug, a lost machine) is printed as
+pyflyte always did. Messages name settings as the engine's classes do (`TrainSpec.steps`, `DataSpec.dataset`);
+the line names the option as the user typed it (`--steps`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import time
+import traceback
+from typing import Optional
+
+from fuseforge_flyte.training.permanent import PermanentFailure
+
+# What a user's input causes: bad values and types, missing or unreadable files (UnicodeDecodeError is a
+# ValueError), and the verdict of workers that failed in a way no restart fixes (PermanentFailure).
+USER_ERROR_TYPES = (ValueError, TypeError, FileNotFoundError, PermanentFailure)
+_FIELD = re.compile(r"\b(?:TrainSpec|DataSpec|DPOSettings)\.(\w+)")
+_WORKER_PREFIX = re.compile(r"^rank \d+: \w+: ")
+# flytekit puts this in front of the message of an exception raised by a task (the same exception object)
+_FLYTEKIT_PREFIX = re.compile(r"^Error encountered while executing '[^']*':\s*")
+
+
+def _chain(error: BaseException):
+    """The exception and its causes, outermost first (cycles cut)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def user_error_line(error: BaseException) -> Optional[str]:
+    """The one line for a user error, or None for other errors: the message of the outermost user error in the
+    chain (ours; what it was raised from is the library's detail), with the options named as --name."""
+    first = next((e for e in _chain(error) if isinstance(e, USER_ERROR_TYPES)), None)
+    if first is None:
+        return None
+    if isinstance(first, PermanentFailure):
+        recorded = str(first).split("\n", 1)[-1].splitlines()[0]  # the first worker's recorded error
+        message = _WORKER_PREFIX.sub("", recorded)
+    else:
+        message = _FLYTEKIT_PREFIX.sub("", str(first))
+    message = " ".join(message.split())  # one line
+    return _FIELD.sub(lambda m: f"--{m.group(1)}", message)
+
+
+def log_dir() -> str:
+    from fuseforge_flyte.training.models import cache_root
+
+    return cache_root("logs")
+
+
+def write_traceback(error: BaseException) -> str:
+    """The full traceback in a new log file; its path."""
+    os.makedirs(log_dir(), exist_ok=True)
+    path = os.path.join(log_dir(), f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}.log")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write(" ".join(sys.argv) + "\n\n")
+        handle.write("".join(traceback.format_exception(type(error), error, error.__traceback__)))
+    return path
+
+
+def report(error: BaseException, rerun_hint: str) -> bool:
+    """Print a user error as two lines on stderr (where the traceback went, then the error); False for others."""
+    line = user_error_line(error)
+    if line is None:
+        return False
+    path = write_traceback(error)
+    print(f"full traceback: {path} ({rerun_hint} prints it)", file=sys.stderr)
+    print(f"error: {line}", file=sys.stderr)
+    return True
+
+
+def install_for_pyflyte() -> None:
+    """Route pyflyte's exception printer through `report` (only inside a pyflyte process; once)."""
+    utils = sys.modules.get("flytekit.clis.sdk_in_container.utils")
+    if utils is None or getattr(utils.pretty_print_exception, "fuseforge", False):
+        return
+    original = utils.pretty_print_exception
+
+    def pretty_print_exception(error: Exception, verbosity: int = 1) -> None:
+        if verbosity > 0 or not report(error, "pyflyte --verbose run ..."):
+            original(error, verbosity)
+
+    pretty_print_exception.fuseforge = True  # type: ignore[attr-defined]
+    utils.pretty_print_exception = pretty_print_exception
