@@ -26,7 +26,7 @@ from google.protobuf.json_format import MessageToDict, ParseDict
 
 from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, load_config
 from fuseforge_flyte.inputs import spec_values
-from fuseforge_flyte.launch import summary_task_options, training_task_options
+from fuseforge_flyte.launch import CONFIG_ANNOTATION, config_digest, summary_task_options, training_task_options
 from fuseforge_flyte.training.validation import CHOICES
 from fuseforge_flyte.tasks import DEFAULTS, summarize_comparison, train_model
 from fuseforge_flyte.training.spec import TrainSpec
@@ -144,11 +144,12 @@ def test_single_node_cpu_task_is_a_plain_pod_without_gpu(tmp_path):
     config = config_from(tmp_path, CPU_SINGLE_NODE)
     t = template_of(training_task_for(config))
     assert t["type"] == "python-task"  # nnodes = 1: no training operator needed
-    assert "k8sPod" not in t  # no node selector or tolerations: no pod template
+    # No node selector or tolerations: the pod template carries only the platform.toml digest.
+    assert t["k8sPod"]["metadata"]["annotations"] == {CONFIG_ANNOTATION: config_digest(config)}
+    assert not {"nodeSelector", "tolerations"} & set(t["k8sPod"]["podSpec"])
     assert "extendedResources" not in t  # no accelerator, no shared memory
-    container = t["container"]
-    resources = {r["name"]: r["value"] for r in container["resources"]["requests"]}
-    assert resources == {"CPU": "8", "MEMORY": "16Gi"}
+    container = pod_container(t)
+    assert container["resources"]["requests"] == {"cpu": "8", "memory": "16Gi"}
     assert container["image"].startswith("localhost:30000/fuseforge:")
     tag = container["image"].rsplit(":", 1)[1]
     assert len(tag) == 20 and all(c in "0123456789abcdef" for c in tag)  # content hash
@@ -158,9 +159,8 @@ def test_summary_task_is_small_and_shares_the_image(tmp_path):
     config = config_from(tmp_path, MULTI_NODE)
     t = template_of(task(**summary_task_options(config))(summarize_comparison.task_function))
     assert t["type"] == "python-task"
-    requests = {r["name"]: r["value"] for r in t["container"]["resources"]["requests"]}
-    assert requests == {"CPU": "1", "MEMORY": "2Gi"}
-    assert t["container"]["image"] == "registry.example.com/ml/fuseforge:v1.2.3"
+    assert pod_container(t)["resources"]["requests"] == {"cpu": "1", "memory": "2Gi"}
+    assert pod_container(t)["image"] == "registry.example.com/ml/fuseforge:v1.2.3"
 
 
 def test_module_tasks_use_platform_toml():
