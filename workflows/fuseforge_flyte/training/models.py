@@ -311,7 +311,7 @@ def build_model(name: str, *, seed: int, device: torch.device, vocab_size: Optio
     Random init from `seed` for presets (`vocab_size` overrides theirs), a config.json, or a
     directory holding only a config.json. `vocab_size` is ignored for everything but presets.
     """
-    quiet_third_party(cuda=device.type == "cuda")  # before transformers loads its model code
+    quiet_third_party(cuda=torch.device(device).type == "cuda")  # before transformers loads its model code
     from transformers import AutoModelForCausalLM
 
     pretrained = _pretrained_dir(name)
