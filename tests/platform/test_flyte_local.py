@@ -35,6 +35,12 @@ WORKERS = min(2, torch.cuda.device_count()) if CUDA else 2  # [elastic].local_np
 TINY = dict(model="tiny-llama", dataset="bench:synthetic", steps=STEPS, batch_size=2, seq_len=32, lr=3e-3, dtype="fp32")
 
 
+@pytest.fixture(autouse=True)
+def _outputs_in_tmp(tmp_path, monkeypatch):
+    """Local runs write ./outputs/<run>: in the test's own directory, not the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 @workflow
 def prepare_only(dataset: DataSource, seq_len: int) -> FlyteDirectory:
     """The train workflow's data steps alone: fingerprint, then the cached preparation."""
