@@ -16,6 +16,12 @@ if not torch.cuda.is_available():
 # Training without a configured checkpoint key makes a per-user key under $XDG_CONFIG_HOME/fuseforge: keep the
 # tests' key out of the real home directory (one per test process; spawned workers inherit it).
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="fuseforge-tests-config-")
+# flytekit's local task cache (~/.flyte/local-cache) outlives the test session, but the outputs its entries point
+# at live in the tests' temporary folders, which pytest removes: a later session would hit entries whose folder
+# is gone. One cache per test process instead.
+import flytekit.core.local_cache  # noqa: E402
+
+flytekit.core.local_cache.CACHE_LOCATION = tempfile.mkdtemp(prefix="fuseforge-tests-flyte-cache-")
 
 import pytest  # noqa: E402
 

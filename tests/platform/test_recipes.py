@@ -45,7 +45,7 @@ def test_every_recipe_key_is_an_input_of_its_workflow(recipe):
 
 def test_platform_toml_training_holds_the_train_workflows_keys():
     """Recipes and [training] speak one language: every train input is a [training] key (or [checkpoint]'s)."""
-    checkpoint = {"checkpoint_dir", "checkpoint_every", "keep_last"}
+    checkpoint = {"checkpoint_dir", "checkpoint_every", "keep_last", "allow_unsigned_checkpoints"}
     assert set(platform_cli.workflow_inputs("train")) - checkpoint == set(TrainingDefaults.model_fields)
 
 
