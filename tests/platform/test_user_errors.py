@@ -46,6 +46,19 @@ def test_a_task_error_becomes_one_line_naming_the_option():
     assert user_error_line(RuntimeError("a bug")) is None  # not a user error: pyflyte prints it as always
 
 
+def test_a_workers_permanent_failure_becomes_its_recorded_error():
+    from fuseforge_flyte.training.permanent import PermanentFailure
+
+    verdict = PermanentFailure("a worker failed in a way that a restart cannot fix (not retried):\nrank 0: "
+                               "ResumeMismatch: checkpoint /c/step_2 was written by a run with different settings: "
+                               "lr: 0.0003 -> 0.001. To continue with the new values on purpose set "
+                               "resume_allow_changes='lr'")
+    verdict.args = ("Error encountered while executing 'fuseforge_flyte.tasks.train_model':\n  " + verdict.args[0],)
+    assert user_error_line(verdict) == ("checkpoint /c/step_2 was written by a run with different settings: lr: "
+                                        "0.0003 -> 0.001. To continue with the new values on purpose set "
+                                        "resume_allow_changes='lr'")
+
+
 def test_unknown_model_suggests_the_preset():
     with pytest.raises(ValueError, match=r"TrainSpec.model: unknown model 'tiny-lama': did you mean 'tiny-llama'\?"):
         TrainSpec(model="tiny-lama").validate()

@@ -47,11 +47,10 @@ def user_error_line(error: BaseException) -> Optional[str]:
     first = next((e for e in _chain(error) if isinstance(e, USER_ERROR_TYPES)), None)
     if first is None:
         return None
-    if isinstance(first, PermanentFailure):
-        recorded = str(first).split("\n", 1)[-1].splitlines()[0]  # the first worker's recorded error
-        message = _WORKER_PREFIX.sub("", recorded)
-    else:
-        message = _FLYTEKIT_PREFIX.sub("", str(first))
+    message = _FLYTEKIT_PREFIX.sub("", str(first))
+    if isinstance(first, PermanentFailure):  # the first worker's recorded error, after the verdict's header line
+        recorded = [line.strip() for line in message.splitlines() if _WORKER_PREFIX.match(line.strip())]
+        message = _WORKER_PREFIX.sub("", recorded[0]) if recorded else message
     message = " ".join(message.split())  # one line
     return _FIELD.sub(lambda m: f"--{m.group(1)}", message)
 
