@@ -77,7 +77,7 @@ def test_propeller_runs_with_the_charts_plugins(platform):
     assert k8s["default-pod-template-name"] == "fuseforge-base"
     assert k8s["resource-tolerations"]["nvidia.com/gpu"][0]["key"] == "nvidia.com/gpu"
     # Variable names keep their case (a plain map in the values would arrive lower-cased).
-    assert k8s["default-env-vars"] == {"FLYTE_AWS_ENDPOINT": "http://127.0.0.1:19000"}
+    assert k8s["default-env-vars"] == {"FLYTE_AWS_ENDPOINT": "http://127.0.0.1:19000", "TRITON_INTERPRET": "1"}
 
 
 def test_admin_accepts_tasks_that_ask_for_a_gpu_node(platform):
