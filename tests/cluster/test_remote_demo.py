@@ -48,12 +48,14 @@ def test_every_node_succeeded_with_durations_and_logs(demo):
 
 def test_the_trained_model_is_fetched_and_answers_with_plain_transformers(demo, tmp_path):
     from flytekit.core.context_manager import FlyteContextManager
+    from fuseforge_flyte.sampling import Samples
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _, execution, remote, _ = demo
     metrics = execution.outputs["metrics"]
     assert metrics.steps == STEPS and 0 < metrics.final_loss < metrics.loss_curve[0] * 2
-    assert len(execution.outputs["answers"]) == 3
+    samples = execution.outputs.get("samples", as_type=Samples)
+    assert len(samples.prompts) == len(samples.answers) == 3, samples
     model = execution.outputs["model"]
     assert model.remote_source.startswith("s3://fuseforge-flyte/"), model.remote_source
     with FlyteContextManager.with_context(remote.context.new_builder()):

@@ -12,8 +12,8 @@ import time
 import pytest
 
 from localcluster.kubectl import get_json, kubectl
-from remote import (FAILED, NAMESPACE, SUCCEEDED, audited_creations, execution_error, run_remote, task_node,
-                    wait)
+from remote import (FAILED, NAMESPACE, SUCCEEDED, audited_creations, execution_error, flyte_remote, run_remote,
+                    task_node, wait)
 from test_flyte import _flyte_pod, _flyte_process
 
 pytestmark = [pytest.mark.cluster, pytest.mark.xdist_group("cluster")]
@@ -91,12 +91,24 @@ def test_flyte_killed_mid_run_and_the_execution_still_completes(started):
     training_pod(name, timeout=900)
     before = _flyte_pod()["status"]["containerStatuses"][0]["restartCount"]
     os.kill(_flyte_process(), signal.SIGKILL)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300
     while _flyte_pod()["status"]["containerStatuses"][0]["restartCount"] == before:
         assert time.monotonic() < deadline, "Flyte did not restart"
         time.sleep(1)
+    _admin_answers(deadline)
     execution = wait(name, timeout=900)
     assert execution.closure.phase == SUCCEEDED, execution_error(execution)
+
+
+def _admin_answers(deadline: float) -> None:
+    """Wait for the restarted Flyte's admin API: the console and pyflyte are refused until it serves again."""
+    while True:
+        try:
+            flyte_remote().client.list_projects()
+            return
+        except Exception as error:  # grpc's UNAVAILABLE, as flytekit wraps it
+            assert time.monotonic() < deadline, f"Flyte's admin API did not answer after the restart: {error}"
+            time.sleep(2)
 
 
 def test_two_pods_form_one_job_and_train_like_one_pod_with_the_same_global_batch(started):

@@ -19,6 +19,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 from fuseforge_flyte.posttrain.dpo import (DPOSettings, _fused, check_scored, dpo_trainer,  # noqa: E402
                                           score_reference, train_dpo)
 from fuseforge_flyte.posttrain.preferences import load_prepared, prepare_preferences  # noqa: E402
+import forking  # noqa: E402 - tests/support
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -189,7 +190,7 @@ def test_two_ddp_workers_train_on_the_fused_loss_with_synchronised_replicas(scor
     results = {}
     for kernels in (True, False):
         results[kernels] = launch_local(_ddp_worker, 2, out, kernels,
-                                        start_method="spawn" if torch.cuda.is_initialized() else "fork")
+                                        start_method=forking.start_method())
     fused, plain = results[True], results[False]
     assert all(r["fused"] and r["world"] == 2 and r["replicas_equal"] for r in fused.values()), fused
     assert fused[0]["loss"] == pytest.approx(plain[0]["loss"], abs=2e-4)
