@@ -99,7 +99,7 @@ class ImageConfig(_Section):
         "https://download.pytorch.org/whl/cu130", pattern=_URL, description='an http(s) URL of a wheel index ("" = PyPI)'
     )
     fuseforge: str = Field("checkout", pattern=_NONEMPTY, description='"checkout" or a pip requirement for fuseforge')
-    extras: Annotated[Tuple[str, ...], _List] = ("hf", "platform", "deepspeed", "posttrain", "fp8")
+    extras: Annotated[Tuple[str, ...], _List] = ("hf", "platform", "deepspeed", "posttrain", "fp8", "lora")
     extra_packages: Annotated[Tuple[str, ...], _List] = ()
     apt_packages: Annotated[Tuple[str, ...], _List] = ("build-essential",)
     platform: str = Field("linux/amd64", pattern=_NONEMPTY, description="a non-empty string")
