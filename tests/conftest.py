@@ -102,3 +102,13 @@ def deepspeed_on_cpu():
 def pytest_report_header(config):
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
     return f"fuseforge tests on {DEVICE} (Triton interpreter: {interp})"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `compiles` run after all others, in each test process.
+
+    torch.compile (PyPI's torch build) leaves the process unable to fork workers that run autograd
+    (tests/support/forking.py). Tests that patch the parent and fork workers to inherit the patch need fork:
+    putting the compiling tests last keeps fork usable for them whatever xdist hands each worker first.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("compiles") is not None)  # stable: order kept otherwise

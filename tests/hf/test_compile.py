@@ -15,6 +15,8 @@ from fuseforge.transformers import apply_kernels
 from test_transformers_tiny_models import synthetic_batches, tiny_model
 from tolerances import assert_close
 
+pytestmark = pytest.mark.compiles  # torch.compile: run last in the test process (tests/conftest.py)
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():

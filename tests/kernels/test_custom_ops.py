@@ -20,6 +20,8 @@ from fuseforge.ops.layer_norm import _layer_norm_backward_op, _layer_norm_op
 from fuseforge.ops.rms_norm import _rms_norm_backward_op, _rms_norm_op
 from fuseforge.ops.rope import _rope_backward_op, _rope_op
 
+pytestmark = pytest.mark.compiles  # torch.compile: run last in the test process (tests/conftest.py)
+
 IGNORE = -100
 
 

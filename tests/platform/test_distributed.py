@@ -111,6 +111,7 @@ def _count_attempts(monkeypatch, tmp_path):
         return train(spec)
 
     monkeypatch.setattr(local, "train", counted)
+    forking.required()
     return lambda: sorted(set(log.read_text().split())) if log.exists() else []
 
 

@@ -22,7 +22,8 @@ from fuseforge_flyte.training.permanent import is_permanent
 from fuseforge_flyte.training.spec import TrainSpec
 
 pytest.importorskip("torchao")
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")
+pytestmark = [pytest.mark.compiles,
+              pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::DeprecationWarning")]
 
 TINY = dict(model="tiny-llama", dataset="bench:bytes", batch_size=2, seq_len=32, lr=3e-3, kernels=False, seed=3)
 CPU = torch.device("cpu")

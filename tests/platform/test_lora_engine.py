@@ -7,12 +7,14 @@ CPU, fp32, kernels off unless a test says so (tests/hf/test_peft.py checks the k
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 peft = pytest.importorskip("peft")
 
+from fuseforge_flyte import run_outputs  # noqa: E402
 from fuseforge_flyte.training.engine import train  # noqa: E402
 from fuseforge_flyte.training.faults import FAULT_ENV, InjectedFault  # noqa: E402
 from fuseforge_flyte.training.local import run_local  # noqa: E402
@@ -139,7 +141,7 @@ def test_fsdp_checkpoint_holds_adapters_and_an_elastic_restart_resumes_from_it(r
     # the adapter gathered from the shards: PEFT's format, every adapter tensor of the model
     from safetensors.torch import load_file
 
-    saved = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    saved = load_file(run_outputs.model_dir(str(tmp_path / "adapter")) + "/adapter_model.safetensors")
     assert len(saved) == 2 * 7 * 2 and all("lora_" in k for k in saved), sorted(saved)[:4]
 
 
@@ -182,8 +184,9 @@ def test_fsdp_keeps_frozen_weights_in_bf16_apart_from_fp32_adapters():
 
 @pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])
 def test_adapter_and_merged_outputs_load_without_fuseforge_and_train_on(base_dir, tmp_path, qlora):
-    out = tmp_path / "out"
-    first = train(_spec(model=base_dir, qlora=qlora, lora_merge=True, output_dir=str(out), steps=3))
+    first = train(_spec(model=base_dir, qlora=qlora, lora_merge=True, output_dir=str(tmp_path / "run"), steps=3))
+    out = Path(first.model_dir)  # the run's model folder: the merged model, its adapter beside it
+    assert out == Path(run_outputs.model_dir(str(tmp_path / "run")))
     assert {"config.json", "model.safetensors"} <= set(os.listdir(out))
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out / "adapter"))
     adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())

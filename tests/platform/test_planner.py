@@ -460,7 +460,7 @@ def test_two_ddp_ranks_agree_on_every_probe_and_keep_the_global_batch(probing_on
 
     probing_on_cpu(lambda c: 1000 * GIB if c.micro_batch == 2 and os.environ.get("RANK") == "1" else GIB,
                    speed_of=lambda c: float(c.micro_batch))
-    results = run_local(TrainSpec(plan="auto", batch_size=2, grad_accum=1, **TINY), 2, start_method=forking.start_method())
+    results = run_local(TrainSpec(plan="auto", batch_size=2, grad_accum=1, **TINY), 2, start_method=forking.required())
     plans = [Plan.from_json(results[rank].plan) for rank in (0, 1)]
     assert plans[0] == plans[1] and plans[0].choice == Candidate(1, 2) and plans[0].world_size == 2
     tried = [(p.candidate.micro_batch, p.candidate.checkpoint_every, p.fits(plans[0].budget_bytes))

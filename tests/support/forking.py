@@ -35,3 +35,13 @@ def start_method() -> str:
     if not _spawn_only and not _fork_can_run_autograd():
         _spawn_only = True
     return "spawn" if _spawn_only else "fork"
+
+
+def required() -> str:
+    """"fork", for a test whose workers must inherit the parent's monkeypatches; fails if fork can't work here."""
+    import pytest
+
+    if start_method() != "fork":
+        pytest.fail("this test patches the parent for its forked workers, but a torch.compile test ran earlier "
+                    "in this process: mark that test `compiles` (tests/conftest.py runs those last)")
+    return "fork"

@@ -259,7 +259,10 @@ def _write_outputs(live, state: Dict[str, torch.Tensor], spec, out_dir: str, tok
 
     remote = "://" in out_dir and not out_dir.startswith("file://")
     target = out_dir if remote else os.path.abspath(out_dir[len("file://"):] if out_dir.startswith("file://") else out_dir)
-    work = tempfile.mkdtemp(prefix="fuseforge-adapter-", dir=None if remote else os.path.dirname(target) or None)
+    parent = None if remote else os.path.dirname(target) or None
+    if parent:  # the run's output folder may not exist yet: the scratch copy lives beside its final place
+        os.makedirs(parent, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="fuseforge-adapter-", dir=parent)
     try:
         adapter = os.path.join(work, ADAPTER_SUBDIR) if spec.lora_merge else work
         os.makedirs(adapter, exist_ok=True)
@@ -275,7 +278,6 @@ def _write_outputs(live, state: Dict[str, torch.Tensor], spec, out_dir: str, tok
         if remote:
             _upload_tree(work, target, _upload)
         else:
-            os.makedirs(os.path.dirname(target), exist_ok=True)
             _place(work, target)
     finally:
         if os.path.exists(work):
