@@ -157,6 +157,35 @@ def test_a_resume_settings_mismatch_is_not_retried():
     assert permanent.is_permanent(ResumeMismatch("checkpoint step_4 was written by a run with different settings"))
 
 
+def test_a_resume_settings_mismatch_is_found_before_any_worker_starts(small_data, monkeypatch, tmp_path):
+    """A checkpoint_dir written with lr 1e-3, resumed with lr 2e-3: one error in the launching process (run_local
+    and the training task's launcher), naming the setting and the opt-in; the same settings pass the check."""
+    from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
+
+    from fuseforge_flyte.tasks import train_model
+    from fuseforge_flyte.training import local
+    from fuseforge_flyte.training.checkpoint import ResumeMismatch, check_resume_settings
+    from fuseforge_flyte.training.engine import train
+
+    run = dict(model="tiny-llama", dataset=small_data, seq_len=128, batch_size=2, steps=2, lr=1e-3,
+               checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=1)
+    train(TrainSpec(**run))
+    check_resume_settings(TrainSpec(**run))  # the same settings: nothing to say
+    check_resume_settings(TrainSpec(**dict(run, lr=2e-3, resume_allow_changes="lr")))  # an allowed change
+    launches = []
+    monkeypatch.setattr(local, "launch_local", lambda *a, **k: launches.append(a))
+    monkeypatch.setattr(PytorchElasticFunctionTask, "execute", lambda self, **inputs: launches.append(inputs))
+    expected = r"different settings: lr: 0\.001 -> 0\.002\. .*resume_allow_changes='lr'"
+    with pytest.raises(ResumeMismatch, match=expected):
+        local.run_local(TrainSpec(**dict(run, lr=2e-3)), 2)
+    task_inputs = {k: v for k, v in run.items() if k != "dataset"}
+    with pytest.raises(ResumeMismatch, match=expected):
+        train_model(data=small_data, output_dir=str(tmp_path / "out"), **dict(task_inputs, lr=2e-3))
+    with pytest.raises(ResumeMismatch, match=r"at step 2, beyond this run's steps=1"):
+        local.run_local(TrainSpec(**dict(run, steps=1)), 2)
+    assert launches == []
+
+
 def test_too_small_data_fails_in_the_launcher_before_any_worker_starts(small_data, monkeypatch, tmp_path):
     """The training task's launcher decides the batch from the data: no worker process is started for a run
     that cannot make one step."""

@@ -44,10 +44,12 @@ def check_train_inputs(data: FlyteDirectory, **inputs: Any) -> None:
     or data that does not fit the model fail once, before any worker (or GPU) starts."""
     spec = TrainSpec(dataset=data.path, **spec_values(inputs)).validate()
     from fuseforge_flyte.training.data import check_prepared_fits
+    from fuseforge_flyte.training.checkpoint import check_resume_settings
     from fuseforge_flyte.training.distill import check_teacher_fits
 
     check_prepared_fits(spec)
     check_teacher_fits(spec)
+    check_resume_settings(spec)
 
 
 def fit_train_inputs(world_size: int, inputs: Dict[str, Any]) -> Dict[str, Any]:

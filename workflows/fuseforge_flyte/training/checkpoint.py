@@ -76,7 +76,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -127,7 +127,7 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint where some exist, an incompatible one, or a checkpoint cannot be written."""
 
 
-class ResumeMismatch(CheckpointError):
+class ResumeMismatch(CheckpointError, ValueError):
     """A verified checkpoint of another model, strategy or settings: the same run meets it again on every
     restart, so it is not retried (training/permanent.py)."""
 
@@ -318,6 +318,68 @@ def _differences(saved: Dict, current: Dict) -> List[Tuple[str, str]]:
     return diffs
 
 
+_REFUSE = ("refusing to start fresh over it (or to resume a different run from it): use the original settings, "
+           "or another checkpoint_dir")
+
+
+def settings_verdict(state: Dict, settings: Dict, allowed: FrozenSet[str], where: str,
+                     extra: Sequence[Tuple[str, str]] = ()) -> Tuple[Optional[str], List[Tuple[str, str]]]:
+    """(error, allowed differences) of a verified trainer state against this run's `settings` (run_settings'
+    keys, or some of them); `extra` are further (setting, "path: old -> new") differences."""
+    steps = settings.get("steps")
+    if steps is not None and state["step"] > steps:
+        return (f"checkpoint {where} is at step {state['step']}, beyond this run's steps={steps}: that run "
+                f"already trained further. Use steps >= {state['step']} (steps > {state['step']} with "
+                f"resume_allow_changes='steps' continues on the longer schedule), or another checkpoint_dir"), []
+    diffs = (_differences(state.get("settings", {}), settings) if settings else []) + list(extra)
+    blocked = [(name, line) for name, line in diffs if name not in allowed]
+    if blocked:
+        names = ",".join(sorted({name for name, _ in blocked}))
+        return (f"checkpoint {where} was written by a run with different settings: "
+                f"{'; '.join(line for _, line in blocked)}. Resuming would silently continue a different run. "
+                f"To continue with the new values on purpose set resume_allow_changes='{names}' (any of "
+                f"{', '.join(ALLOWABLE_CHANGES)}); otherwise use the original settings or another "
+                f"checkpoint_dir"), []
+    return None, diffs
+
+
+# Settings only a worker knows: the global batch (the planner may choose it) and the compute dtype (the device's).
+_DECIDED_BY_WORKERS = ("global_batch", "dtype")
+
+
+def check_resume_settings(spec) -> None:
+    """In the launching process, before any worker starts: ResumeMismatch when spec.checkpoint_location's newest
+    verified checkpoint was written with other settings than `spec` asks for (those the spec alone decides; the
+    message is the one a worker would give). Anything this cannot read or verify is left to the workers' resume,
+    which also compares the model, the strategy and the settings only they know."""
+    from fuseforge_flyte.data.shards import is_prepared_dir, read_manifest
+    from fuseforge_flyte.training.data import resolve_benchmark
+
+    root = spec.checkpoint_location
+    if not root:
+        return
+    if resolve_benchmark(spec.dataset) is not None:
+        data_manifest = None
+    elif is_prepared_dir(spec.dataset):
+        data_manifest = read_manifest(spec.dataset)
+    else:  # data the workers prepare themselves: its identity is theirs to compare
+        return
+    try:
+        reader = CheckpointReader(root, allow_unsigned=spec.allow_unsigned_checkpoints, log_it=False)
+        newest = reader.newest_verified_state()
+    except (CheckpointError, OSError, ValueError):
+        return
+    if newest is None:
+        return
+    entry, state = newest
+    settings = {k: v for k, v in run_settings(spec, data_manifest, samples_per_step=0, dtype="").items()
+                if k not in _DECIDED_BY_WORKERS}
+    state = dict(state, settings={k: v for k, v in state.get("settings", {}).items() if k not in _DECIDED_BY_WORKERS})
+    error, _ = settings_verdict(state, settings, parse_allowed_changes(spec.resume_allow_changes),
+                                reader.store.path(entry.name))
+    if error:
+        raise ResumeMismatch(error)
+
 # ---------------------------------------------------------------- storage
 
 
@@ -470,7 +532,86 @@ class _PhaseFailed(Exception):
 # ---------------------------------------------------------------- manager
 
 
-class CheckpointManager:
+class CheckpointReader:
+    """Reads a checkpoint root and trusts only what verifies: signed manifests, hashed trainer states, signed
+    skip marks. The workers' CheckpointManager builds on it; the launching process uses it alone to look at a
+    run's checkpoints before any worker starts (check_resume_settings)."""
+
+    def __init__(self, root: str, *, allow_unsigned: bool, log_it: bool):
+        self.store = Store(root)
+        try:
+            self.signing = Signing(root, allow_unsigned=allow_unsigned, log_it=log_it)
+        except SigningError as err:
+            raise CheckpointError(str(err)) from None
+
+    def newest_verified_state(self) -> Optional[Tuple[Entry, Dict]]:
+        """(checkpoint, trainer state) of the newest complete, unskipped checkpoint that verifies, or None."""
+        for entry in reversed([e for e in self._entries(log_it=False) if e.complete and not e.skipped]):
+            _, state, reason = self._read_verified(entry, warn=False)
+            if reason is None:
+                return entry, state
+        return None
+
+    def _entries(self, log_it: bool) -> List[Entry]:
+        """Rank 0: the store's checkpoints; a skip mark counts only when it is signed for its manifest."""
+        entries = self.store.list()
+        for entry in entries:
+            if entry.complete and entry.marked:
+                entry.skip_reason = self._trusted_skip_reason(entry, log_it)
+        return entries
+
+    def _trusted_skip_reason(self, entry: Entry, log_it: bool) -> Optional[str]:
+        try:
+            marker = json.loads(self.store.fs.cat_file(self.store.path(entry.name, MARKER)))
+            mark = json.loads(self.store.fs.cat_file(self.store.path(entry.name, SKIPPED)))
+        except (OSError, ValueError) as err:
+            reason, problem = None, f"it cannot be read ({type(err).__name__}: {err})"
+        else:
+            reason, problem = self.signing.skip_reason(entry.name, marker, mark)
+        if problem and log_it:
+            log.warning("ignoring %s in checkpoint %s: %s", SKIPPED, self.store.path(entry.name), problem)
+        return reason
+
+    def _read_verified(self, entry: Entry, warn: bool) -> Tuple[Any, Optional[Dict], Optional[str]]:
+        """(manifest, trainer state, None) once the manifest authenticates and the state matches its hash;
+        (manifest or None, None, why not) otherwise. `warn`: log the opt-in warning for an unsigned one."""
+        try:
+            marker = json.loads(self.store.fs.cat_file(self.store.path(entry.name, MARKER)))
+        except (OSError, ValueError) as err:
+            return None, None, f"unreadable manifest {MARKER} ({type(err).__name__}: {err})"
+        reason = self._authenticate(marker, entry, warn)
+        if reason:
+            return marker, None, reason
+        try:
+            data = self.store.fs.cat_file(self.store.path(entry.name, STATE))
+        except OSError as err:
+            return marker, None, f"file {STATE} is unreadable ({type(err).__name__}: {err})"
+        reason = _check_bytes(STATE, data, marker["files"][STATE])
+        if reason:
+            return marker, None, reason
+        try:
+            state = json.loads(data)
+        except ValueError as err:
+            return marker, None, f"file {STATE} is not JSON ({err})"
+        if not isinstance(state, dict) or state.get("step") != entry.step or state.get("format") != FORMAT_VERSION:
+            return marker, None, f"{STATE} does not belong to step {entry.step} in format {FORMAT_VERSION}"
+        return marker, state, None
+
+    def _authenticate(self, marker: Any, entry: Entry, warn: bool = True) -> Optional[str]:
+        """Why the manifest cannot be trusted, or None: its signature (checkpoint_signing.Signing), then its shape."""
+        if not isinstance(marker, dict) or marker.get("format") != FORMAT_VERSION:
+            version = marker.get("format", 1) if isinstance(marker, dict) else None
+            return (f"manifest format {version!r}, this code reads {FORMAT_VERSION} (written by an older fuseforge "
+                    f"without content hashes: it cannot be verified)")
+        reason = self.signing.refusal(marker, self.store.path(entry.name), warn=warn)
+        if reason:
+            return reason
+        if marker.get("step") != entry.step:
+            return f"the manifest is for step {marker.get('step')!r}, not {entry.step}"
+        return _manifest_shape_problem(marker)
+
+
+class CheckpointManager(CheckpointReader):
     """Saves and resumes the training state of one strategy (all ranks call every method)."""
 
     def __init__(self, root: str, ctx: DistContext, strategy, *, keep_last: int, fingerprint: Dict[str, list],
@@ -478,7 +619,7 @@ class CheckpointManager:
                  allow_unsigned: bool = False, after_save: Optional[Callable[[str], None]] = None):
         """allow_unsigned: TrainSpec.allow_unsigned_checkpoints (see checkpoint_signing.py).
         after_save: called on rank 0 with the checkpoint directory once a save is complete (e.g. to upload it)."""
-        self.store = Store(root)
+        super().__init__(root, allow_unsigned=allow_unsigned, log_it=ctx.is_main)
         self.after_save = after_save
         self.ctx = ctx
         self.strategy = strategy
@@ -487,10 +628,6 @@ class CheckpointManager:
         self.model_config = model_config_for_resume(model_config or {})
         self.settings = _jsonable(settings or {})
         self.allowed = parse_allowed_changes(allow_changes)
-        try:
-            self.signing = Signing(root, allow_unsigned=allow_unsigned, log_it=ctx.is_main)
-        except SigningError as err:
-            raise CheckpointError(str(err)) from None
         self._progress_written_at = 0.0
         self.steps_redone = 0
         self.last_saved_step: Optional[int] = None
@@ -746,36 +883,13 @@ class CheckpointManager:
         resuming so that a planned run keeps it on another world size. Only a hint: resume() verifies."""
 
         def read() -> Optional[int]:  # only from a trainer state whose manifest verifies
-            for entry in reversed([e for e in self._entries(log_it=False) if e.complete and not e.skipped]):
-                _, state, reason = self._read_verified(entry, warn=False)
-                try:
-                    if reason is None:
-                        return int(state["settings"]["global_batch"])
-                except (ValueError, KeyError, TypeError):
-                    pass
-            return None
+            newest = self.newest_verified_state()
+            try:
+                return None if newest is None else int(newest[1]["settings"]["global_batch"])
+            except (ValueError, KeyError, TypeError):
+                return None
 
         return self.ctx.broadcast_object(read() if self.ctx.is_main else None)
-
-    def _entries(self, log_it: bool) -> List[Entry]:
-        """Rank 0: the store's checkpoints; a skip mark counts only when it is signed for its manifest."""
-        entries = self.store.list()
-        for entry in entries:
-            if entry.complete and entry.marked:
-                entry.skip_reason = self._trusted_skip_reason(entry, log_it)
-        return entries
-
-    def _trusted_skip_reason(self, entry: Entry, log_it: bool) -> Optional[str]:
-        try:
-            marker = json.loads(self.store.fs.cat_file(self.store.path(entry.name, MARKER)))
-            mark = json.loads(self.store.fs.cat_file(self.store.path(entry.name, SKIPPED)))
-        except (OSError, ValueError) as err:
-            reason, problem = None, f"it cannot be read ({type(err).__name__}: {err})"
-        else:
-            reason, problem = self.signing.skip_reason(entry.name, marker, mark)
-        if problem and log_it:
-            log.warning("ignoring %s in checkpoint %s: %s", SKIPPED, self.store.path(entry.name), problem)
-        return reason
 
     def _scan(self) -> List[Entry]:
         entries = self._entries(log_it=True)
@@ -803,72 +917,19 @@ class CheckpointManager:
                          f"{', '.join(line for _, line in changed)}")
         return _Verdict(state=state, marker=marker, changed=tuple(sorted({name for name, _ in changed})), notes=notes)
 
-    def _read_verified(self, entry: Entry, warn: bool) -> Tuple[Any, Optional[Dict], Optional[str]]:
-        """(manifest, trainer state, None) once the manifest authenticates and the state matches its hash;
-        (manifest or None, None, why not) otherwise. `warn`: log the opt-in warning for an unsigned one."""
-        try:
-            marker = json.loads(self.store.fs.cat_file(self.store.path(entry.name, MARKER)))
-        except (OSError, ValueError) as err:
-            return None, None, f"unreadable manifest {MARKER} ({type(err).__name__}: {err})"
-        reason = self._authenticate(marker, entry, warn)
-        if reason:
-            return marker, None, reason
-        try:
-            data = self.store.fs.cat_file(self.store.path(entry.name, STATE))
-        except OSError as err:
-            return marker, None, f"file {STATE} is unreadable ({type(err).__name__}: {err})"
-        reason = _check_bytes(STATE, data, marker["files"][STATE])
-        if reason:
-            return marker, None, reason
-        try:
-            state = json.loads(data)
-        except ValueError as err:
-            return marker, None, f"file {STATE} is not JSON ({err})"
-        if not isinstance(state, dict) or state.get("step") != entry.step or state.get("format") != FORMAT_VERSION:
-            return marker, None, f"{STATE} does not belong to step {entry.step} in format {FORMAT_VERSION}"
-        return marker, state, None
-
-    def _authenticate(self, marker: Any, entry: Entry, warn: bool = True) -> Optional[str]:
-        """Why the manifest cannot be trusted, or None: its signature (checkpoint_signing.Signing), then its shape."""
-        if not isinstance(marker, dict) or marker.get("format") != FORMAT_VERSION:
-            version = marker.get("format", 1) if isinstance(marker, dict) else None
-            return (f"manifest format {version!r}, this code reads {FORMAT_VERSION} (written by an older fuseforge "
-                    f"without content hashes: it cannot be verified)")
-        reason = self.signing.refusal(marker, self.store.path(entry.name), warn=warn)
-        if reason:
-            return reason
-        if marker.get("step") != entry.step:
-            return f"the manifest is for step {marker.get('step')!r}, not {entry.step}"
-        return _manifest_shape_problem(marker)
-
     def _compatibility(self, state: Dict, where: str) -> Tuple[Optional[str], List[Tuple[str, str]]]:
         """(error, allowed differences): a verified checkpoint of another model/strategy/settings is an error."""
-        refuse = ("refusing to start fresh over it (or to resume a different run from it): use the original "
-                  "settings, or another checkpoint_dir")
         if state.get("strategy") != self.strategy.name:
             return (f"checkpoint {where} was written with strategy {state.get('strategy')!r}, this run uses "
-                    f"{self.strategy.name!r} (checkpoint formats differ per strategy); {refuse}"), []
+                    f"{self.strategy.name!r} (checkpoint formats differ per strategy); {_REFUSE}"), []
         mismatch = _fingerprint_mismatch(state.get("model_fingerprint", {}), self.fingerprint)
         if mismatch:
-            return f"checkpoint {where} was written for a different model: {mismatch}; {refuse}", []
-        steps = self.settings.get("steps")
-        if steps is not None and state["step"] > steps:
-            return (f"checkpoint {where} is at step {state['step']}, beyond this run's steps={steps}: that run "
-                    f"already trained further. Use steps >= {state['step']} (steps > {state['step']} with "
-                    f"resume_allow_changes='steps' continues on the longer schedule), or another checkpoint_dir"), []
-        diffs = _differences(state.get("settings", {}), self.settings) if self.settings else []
+            return f"checkpoint {where} was written for a different model: {mismatch}; {_REFUSE}", []
+        diffs = []
         if self.model_config:
-            diffs += [("model_config", f"model_config.{line}")
-                      for _, line in _differences(state.get("model_config", {}), self.model_config)]
-        blocked = [(name, line) for name, line in diffs if name not in self.allowed]
-        if blocked:
-            names = ",".join(sorted({name for name, _ in blocked}))
-            return (f"checkpoint {where} was written by a run with different settings: "
-                    f"{'; '.join(line for _, line in blocked)}. Resuming would silently continue a different run. "
-                    f"To continue with the new values on purpose set resume_allow_changes='{names}' (any of "
-                    f"{', '.join(ALLOWABLE_CHANGES)}); otherwise use the original settings or another "
-                    f"checkpoint_dir"), []
-        return None, diffs
+            diffs = [("model_config", f"model_config.{line}")
+                     for _, line in _differences(state.get("model_config", {}), self.model_config)]
+        return settings_verdict(state, self.settings, self.allowed, where, extra=diffs)
 
     def _load(self, entry: Entry, marker: Dict, changed: Tuple[str, ...]) -> Optional[str]:
         """Check every file against the manifest, then load on every rank; the first reason it failed, or None."""

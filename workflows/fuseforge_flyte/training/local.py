@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, Optional, TypeVar
 import torch
 
 from fuseforge_flyte.training import permanent
+from fuseforge_flyte.training.checkpoint import check_resume_settings
 from fuseforge_flyte.training.distributed import SHARED_STORE_ENV
 from fuseforge_flyte.training.engine import train
 from fuseforge_flyte.training.environ import environment
@@ -45,6 +46,7 @@ def run_local(spec: TrainSpec, nproc: int = 2, *, max_restarts: int = 0, start_m
     not initialised CUDA; "spawn" re-imports torch/transformers in each worker.
     """
     spec.validate()
+    check_resume_settings(spec)  # a checkpoint of other settings: one error here, not one per worker
     with environment({SHARED_STORE_ENV: "1"}), permanent.failure_directory():
         results = launch_local(_worker, nproc, spec, threads_per_worker, max_restarts=max_restarts,
                                start_method=start_method)
