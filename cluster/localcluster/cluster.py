@@ -22,7 +22,8 @@ COMPONENTS = (
     "node", "training-operator",
 )
 OPERATOR_NAMESPACE = "kubeflow"
-# controller-runtime's default webhook certificate folder, which the training operator reads and never writes.
+# The webhook certificate folder the training operator's certificate rotator reads (fixed under /tmp; it never
+# writes it): `up` writes our certificate there and `down` removes it again, with the folders if left empty.
 OPERATOR_CERT_DIR = Path("/tmp/k8s-webhook-server/serving-certs")
 FLYTE_NAMESPACE = "flyte"
 BUCKET = "fuseforge-flyte"
@@ -305,9 +306,7 @@ def _start_operator(binary: Path, paths: dict[str, Path]) -> None:
     token = kubectl("-n", OPERATOR_NAMESPACE, "create", "token", "training-operator", "--duration=48h").stdout.strip()
     config = pki.write_kubeconfig(paths["kubeconfigs"] / "training-operator", paths["pki"],
                                   user="system:serviceaccount:kubeflow:training-operator", token=token)
-    if not OPERATOR_CERT_DIR.exists():
-        OPERATOR_CERT_DIR.mkdir(parents=True)
-        (state_dir() / "operator-cert-dir").write_text(str(OPERATOR_CERT_DIR))
+    OPERATOR_CERT_DIR.mkdir(parents=True, exist_ok=True)
     shutil.copy(paths["pki"] / "operator-webhook.crt", OPERATOR_CERT_DIR / "tls.crt")
     shutil.copy(paths["pki"] / "operator-webhook.key", OPERATOR_CERT_DIR / "tls.key")
     # KUBEFLOW_NAMESPACE stays unset: the operator would also take it as the only namespace to watch
@@ -396,12 +395,11 @@ def down() -> None:
             log(f"stopped {name}")
     for name in processes.names():  # anything else this cluster started
         processes.stop(name)
-    marker = state_dir() / "operator-cert-dir"
-    if marker.exists():
-        shutil.rmtree(marker.read_text().strip(), ignore_errors=True)
-        parent = Path(marker.read_text().strip()).parent
-        if parent.exists() and not any(parent.iterdir()):
-            parent.rmdir()
+    for name in ("tls.crt", "tls.key"):  # what `up` wrote for the operator, now stopped
+        (OPERATOR_CERT_DIR / name).unlink(missing_ok=True)
+    for folder in (OPERATOR_CERT_DIR, OPERATOR_CERT_DIR.parent):
+        if folder.exists() and not any(folder.iterdir()):
+            folder.rmdir()
     shutil.rmtree(state_dir(), ignore_errors=True)
 
 

@@ -87,9 +87,15 @@ def node_phases(execution) -> dict:
 
 
 def task_node(execution, task_suffix: str):
-    """The node execution whose task name ends with task_suffix (e.g. "prepare_data")."""
+    """The node execution whose task name ends with task_suffix (e.g. "prepare_data"). A node served from the
+    cache ran no task: its catalog key names the task instead."""
     for _, node in walk_nodes(execution.node_executions):
-        if node.task_executions and node.task_executions[0].id.task_id.name.endswith(task_suffix):
+        if node.task_executions:
+            task = node.task_executions[0].id.task_id.name
+        else:
+            metadata = node.closure.task_node_metadata
+            task = metadata.catalog_key.dataset_id.name if metadata is not None and metadata.catalog_key else ""
+        if task.endswith(task_suffix):
             return node
     raise AssertionError(f"no node ran a task named *{task_suffix}: {node_phases(execution)}")
 
