@@ -125,7 +125,12 @@ def pretrain(model: str = "tiny-llama", dataset: str = "", split: str = "train",
                 if step == steps:
                     break
             epoch += 1
-        return meter.metrics()  # on every rank: sums the tokens over ranks
+        metrics = meter.metrics()  # on every rank: sums the tokens over ranks
+        # Every rank past its last collective before DDP's reducer (which holds the process group) is freed:
+        # a gloo group torn down while a peer still talks to it can hang in its destructor.
+        dist.barrier()
+        del ddp
+        return metrics
     finally:
         dist.destroy_process_group()
 

@@ -50,6 +50,7 @@ def runs(platform, tmp_path_factory):
         "distill": run_remote(folder, WORKFLOWS, "distill", "--teacher", "tiny-llama", *SMALL),
         "sft_example": run_remote(folder, "examples/flyte/trainer_sft.py", "sft_workflow", "--steps", "2"),
         "trl_example": run_remote(folder, "examples/flyte/trl_sft.py", "trl_workflow", "--steps", "2"),
+        "torch_loop_example": run_remote(folder, "examples/flyte/torch_loop.py", "pretrain_workflow", "--steps", "2"),
     }
     # The pods read what was uploaded, not this machine's files.
     own.rename(folder / "own.moved")
@@ -108,7 +109,7 @@ def test_bad_data_fails_in_preparation_naming_the_row_and_no_training_pod_starts
     assert not audited_creations("pytorchjobs", runs[1]["bad"])
 
 
-@pytest.mark.parametrize("key", ["compare", "dpo", "distill", "sft_example", "trl_example"])
+@pytest.mark.parametrize("key", ["compare", "dpo", "distill", "sft_example", "trl_example", "torch_loop_example"])
 def test_workflow_succeeds_on_the_cluster(runs, key):
     execution = finished(runs, key)
     outputs = execution.outputs

@@ -235,3 +235,18 @@ def test_pyflyte_ends_a_user_error_with_one_line(tmp_path, args, last_line):
     assert not any("Traceback" in line or line.startswith("│") for line in lines), lines  # no rich traceback
     log_file = lines[-2].split()[2]
     assert "Traceback (most recent call last)" in Path(log_file).read_text()
+
+
+@pytest.mark.slow
+def test_a_worker_found_error_ends_with_one_line_and_no_worker_traceback(tmp_path, monkeypatch):
+    """An OOM in the first step, found by a worker: torch elastic's copy of the worker's traceback goes to a log
+    file that one line names; the run ends with the error line, no traceback above it."""
+    monkeypatch.setenv("FUSEFORGE_FAULT_INJECT", "1:1:oom")
+    done, _ = _pyflyte(tmp_path, "--batch_size", "2")
+    assert done.returncode == 1
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert lines[-1].startswith("error: out of memory in the first step of training tiny-llama"), lines[-3:]
+    assert not any("Traceback" in line or line.startswith(("│", "E1", "W1")) for line in lines), lines
+    reports = [line for line in lines if "torch elastic's report with its traceback:" in line]
+    assert len(reports) == 1, lines
+    assert "Traceback (most recent call last)" in Path(reports[0].split()[-1]).read_text()

@@ -24,7 +24,7 @@ from flytekit.types.file import FlyteFile
 from flytekitplugins.kfpytorch.task import Elastic, PytorchElasticFunctionTask
 from kubernetes.client import V1PodSpec, V1Toleration
 
-from fuseforge_flyte import flyte_checkpoint, run_outputs
+from fuseforge_flyte import flyte_checkpoint, quiet, run_outputs
 from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, PlatformConfig
 from fuseforge_flyte.image import training_image
 from fuseforge_flyte.object_store import share_flyte_s3_settings
@@ -90,7 +90,9 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
         elif kwargs.get(self.checkpoint_input) == "":
             kwargs[self.checkpoint_input] = self._default_checkpoint_dir(launch_env) or CHECKPOINT_OFF
         # an explicit user setting wins over the launch's own
-        with temp_root, environment(launch_env, override=False), permanent.failure_directory():
+        # locally, the agent's copy of a worker's traceback goes to a log file (quiet.py): the failure is raised below
+        agent_log = quiet.worker_failures_to_log_file() if local else contextlib.nullcontext()
+        with temp_root, environment(launch_env, override=False), permanent.failure_directory(), agent_log:
             result = launcher.execute(**kwargs)
         permanent.raise_if_failed(result)  # a failure that restarts cannot fix: raised once, not retried
         return result

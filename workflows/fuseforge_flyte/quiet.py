@@ -9,16 +9,23 @@ Each switch removes one message at its source rather than filtering output:
   "Setting accelerator to CPU" on stdout when there is no GPU; naming the CPU accelerator stops the guess.
 - the progress bars of transformers ("Writing model shards" on every save) and datasets ("Generating train split",
   "Saving the dataset", map progress) when preparing data; the preparation logs one summary line.
+- torch elastic's agent logging a failed worker's whole traceback (40-60 lines) on stderr in a local launch: the
+  launcher raises that failure right after (a permanent one as one line, any other as ChildFailedError with the
+  worker's traceback), so the agent's copy goes to a log file and one line names it (worker_failures_to_log_file).
 - click's "The parameter --x is used more than once" from pyflyte (flytekit 1.16 declares every bool input
   twice: --x/--no_x and --x/--no-x; the options work).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
+import logging
 import os
 import sys
+import time
 import warnings
+from typing import Iterator
 
 TORCHAO_QUANTIZER = "transformers.quantizers.quantizer_torchao"
 
@@ -70,3 +77,44 @@ def quiet_third_party(cuda: bool) -> None:
     GPU); the import-time ones are set when fuseforge_flyte is imported."""
     name_deepspeed_accelerator(cuda)
     disable_progress_bars()
+
+
+# The logger of torch elastic's agent that reports a worker's failure with its traceback.
+ELASTIC_AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+
+
+class _ToFile(logging.Filter):
+    """Writes the logger's ERROR records to a file instead of letting them reach stderr; one warning names it."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+        self.formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        text = self.formatter.format(record)
+        with open(self.path, "a", encoding="utf-8") as handle:
+            handle.write(text + "\n")
+        from fuseforge_flyte.console import ensure_console_logging
+
+        ensure_console_logging()
+        logging.getLogger("fuseforge.training").warning(
+            "a worker failed; torch elastic's report with its traceback: %s", self.path)
+        return False
+
+
+@contextlib.contextmanager
+def worker_failures_to_log_file() -> Iterator[str]:
+    """While a local elastic launch runs: the agent's worker-failure records go to a log file (its path)."""
+    from fuseforge_flyte.user_errors import log_dir
+
+    path = os.path.join(log_dir(), f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}-workers.log")
+    logger, gate = logging.getLogger(ELASTIC_AGENT_LOGGER), _ToFile(path)
+    logger.addFilter(gate)
+    try:
+        yield path
+    finally:
+        logger.removeFilter(gate)

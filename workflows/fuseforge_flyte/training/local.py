@@ -65,4 +65,7 @@ def launch_local(fn: Callable[..., T], nproc: int, *args: Any, max_restarts: int
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=max_restarts,
         start_method=start_method, monitor_interval=0.1,
     )
-    return elastic_launch(config, fn)(*args)
+    from fuseforge_flyte.quiet import worker_failures_to_log_file
+
+    with worker_failures_to_log_file():  # raised below anyway; the agent's copy goes to a log file
+        return elastic_launch(config, fn)(*args)
