@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 
@@ -23,7 +24,13 @@ def main(argv=None) -> int:
     from flytekit.configuration import Config
     from flytekit.core.context_manager import FlyteContextManager
     from flytekit.remote import FlyteRemote
+
+    from fuseforge_flyte import quiet
+
+    quiet.keep_torchao_unimported()  # before transformers: no torchao deprecation lines
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet.disable_progress_bars()
 
     remote = FlyteRemote(Config.auto(config_file=args.config), default_project=args.project,
                          default_domain=args.domain)
@@ -49,4 +56,9 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # flytekit's object-store session lives on its own event-loop thread, which interpreter shutdown stops before
+    # the session is closed: a normal exit prints asyncio's "Unclosed client session" errors for nothing.
+    os._exit(code)
