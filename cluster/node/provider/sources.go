@@ -6,6 +6,7 @@ import (
 
 	authv1 "k8s.io/api/authentication/v1"
 	v1 "k8s.io/api/core/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 )
@@ -19,16 +20,37 @@ type apiSources struct {
 
 const apiTimeout = 15 * time.Second
 
+// forbiddenWait bounds how long a Forbidden answer is asked again: the Node
+// authorizer learns that a pod is bound here from its own watch, so a node
+// that starts the pod right after the binding can be refused for a moment.
+// Flyte fails a task on the first CreateContainerConfigError it sees.
+var forbiddenWait = 5 * time.Second
+
+func retryForbidden[T any](get func(ctx context.Context) (T, error)) (T, error) {
+	deadline := time.Now().Add(forbiddenWait)
+	pause := 50 * time.Millisecond
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), apiTimeout)
+		obj, err := get(ctx)
+		cancel()
+		if err == nil || !apierrors.IsForbidden(err) || time.Now().Add(pause).After(deadline) {
+			return obj, err
+		}
+		time.Sleep(pause)
+		pause *= 2
+	}
+}
+
 func (s apiSources) ConfigMap(ns, name string) (*v1.ConfigMap, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), apiTimeout)
-	defer cancel()
-	return s.client.CoreV1().ConfigMaps(ns).Get(ctx, name, metav1.GetOptions{})
+	return retryForbidden(func(ctx context.Context) (*v1.ConfigMap, error) {
+		return s.client.CoreV1().ConfigMaps(ns).Get(ctx, name, metav1.GetOptions{})
+	})
 }
 
 func (s apiSources) Secret(ns, name string) (*v1.Secret, error) {
-	ctx, cancel := context.WithTimeout(context.Background(), apiTimeout)
-	defer cancel()
-	return s.client.CoreV1().Secrets(ns).Get(ctx, name, metav1.GetOptions{})
+	return retryForbidden(func(ctx context.Context) (*v1.Secret, error) {
+		return s.client.CoreV1().Secrets(ns).Get(ctx, name, metav1.GetOptions{})
+	})
 }
 
 // Token asks the TokenRequest API for a token bound to the pod, so it stops
