@@ -80,6 +80,19 @@ def test_training_deck_has_table_and_plots():
     assert pngs(training_deck_html(sparse))[0].startswith(b"\x89PNG")
 
 
+def test_training_deck_names_where_the_model_is(monkeypatch):
+    """Locally the folder; on a cluster pod its local folder means nothing in the console: the output is named."""
+    from fuseforge_flyte import run_outputs
+
+    m = run(True, model_dir="/tmp/fuseforge-model-x/model")
+    monkeypatch.setenv(run_outputs.LOCAL_RUN_ENV, "1")
+    assert "/tmp/fuseforge-model-x/model" in training_deck_html(m)
+    monkeypatch.delenv(run_outputs.LOCAL_RUN_ENV)
+    html = training_deck_html(m)
+    assert "/tmp/fuseforge-model-x" not in html and "the task's model output" in html
+    assert "s3://b/model" in training_deck_html(run(True, model_dir="s3://b/model"))
+
+
 def test_comparison_deck_has_side_by_side_table_and_bars():
     c = compare_metrics(run(True), run(False))
     html = comparison_deck_html(c)

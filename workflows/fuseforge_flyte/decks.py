@@ -11,6 +11,7 @@ import html
 import io
 from typing import TYPE_CHECKING, List, Sequence, Tuple
 
+from fuseforge_flyte import run_outputs
 from fuseforge_flyte.comparison import Comparison
 from fuseforge_flyte.training.spec import TrainMetrics
 
@@ -19,6 +20,16 @@ if TYPE_CHECKING:
 
 _GIB = "GiB"
 
+
+
+def _model_location(model_dir: str) -> str:
+    """Where the person reading the Deck finds the model: a folder inside a cluster pod means nothing in the
+    console; Flyte uploads it as the task's `model` output."""
+    if not model_dir:
+        return "not saved"
+    if "://" in model_dir or run_outputs.is_local_run():
+        return model_dir
+    return "the task's model output (Flyte uploads the pod's folder to the object store)"
 
 def figure_html(fig, alt: str) -> str:
     """A matplotlib figure as an inline <img> (PNG, base64)."""
@@ -57,7 +68,7 @@ def _metric_rows(m: TrainMetrics) -> List[Tuple[str, str]]:
         ("eval loss / perplexity", f"{m.eval_loss:.4f} / {m.eval_perplexity:.3f}" if m.eval_loss is not None else "no eval data"),
         ("data wait (share of step time)", f"{m.data_wait_fraction * 100:.2f} %"),
         ("dataset", m.dataset or "n/a"),
-        ("trained model", m.model_dir or "not saved"),
+        ("trained model", _model_location(m.model_dir)),
         ("steps", str(m.steps)),
         ("tokens per step (global)", f"{m.tokens_per_step:,}"),
         ("parameters", f"{m.num_params:,}"),
