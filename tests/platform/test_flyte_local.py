@@ -69,6 +69,12 @@ def failing_worker() -> str:
 
     def body() -> str:
         if os.environ["RANK"] == "1":
+            # fail only once rank 0 has started this round too (spawned workers start seconds apart on a busy
+            # machine: the agent would otherwise stop rank 0 before it logs its start)
+            round_start = f"0@{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            deadline = time.monotonic() + 60
+            while round_start not in open(os.environ["PROBE_LOG"]).read().split() and time.monotonic() < deadline:
+                time.sleep(0.1)
             raise ValueError("probe: a setting no restart can fix")
         time.sleep(2)  # rank 0 still running when rank 1 fails: the agent stops it and restarts the group
         return "done"
