@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 _GIB = "GiB"
 
 
-
 def _model_location(model_dir: str) -> str:
     """Where the person reading the Deck finds the model: a folder inside a cluster pod means nothing in the
     console; Flyte uploads it as the task's `model` output."""
@@ -30,6 +29,7 @@ def _model_location(model_dir: str) -> str:
     if "://" in model_dir or run_outputs.is_local_run():
         return model_dir
     return "the task's model output (Flyte uploads the pod's folder to the object store)"
+
 
 def figure_html(fig, alt: str) -> str:
     """A matplotlib figure as an inline <img> (PNG, base64)."""

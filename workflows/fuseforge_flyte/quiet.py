@@ -23,7 +23,6 @@ import importlib.abc
 import logging
 import os
 import sys
-import time
 import warnings
 from typing import Iterator
 
@@ -109,9 +108,9 @@ class _ToFile(logging.Filter):
 @contextlib.contextmanager
 def worker_failures_to_log_file() -> Iterator[str]:
     """While a local elastic launch runs: the agent's worker-failure records go to a log file (its path)."""
-    from fuseforge_flyte.user_errors import log_dir
+    from fuseforge_flyte.user_errors import new_log_path
 
-    path = os.path.join(log_dir(), f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}-workers.log")
+    path = new_log_path("workers")
     logger, gate = logging.getLogger(ELASTIC_AGENT_LOGGER), _ToFile(path)
     logger.addFilter(gate)
     try:

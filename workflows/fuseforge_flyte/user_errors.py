@@ -61,10 +61,16 @@ def log_dir() -> str:
     return cache_root("logs")
 
 
+def new_log_path(kind: str = "") -> str:
+    """A new file name in log_dir(): UTC time, pid and an optional kind ("workers")."""
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}"
+    return os.path.join(log_dir(), f"{stamp}-{kind}.log" if kind else f"{stamp}.log")
+
+
 def write_traceback(error: BaseException) -> str:
     """The full traceback in a new log file; its path."""
     os.makedirs(log_dir(), exist_ok=True)
-    path = os.path.join(log_dir(), f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{os.getpid()}.log")
+    path = new_log_path()
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(" ".join(sys.argv) + "\n\n")
         handle.write("".join(traceback.format_exception(type(error), error, error.__traceback__)))

@@ -76,7 +76,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, FrozenSet, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -366,7 +366,7 @@ def check_resume_settings(spec) -> None:
         return
     try:
         reader = CheckpointReader(root, allow_unsigned=spec.allow_unsigned_checkpoints, log_it=False)
-        newest = reader.newest_verified_state()
+        newest = next(reader.verified_states(), None)
     except (CheckpointError, OSError, ValueError):
         return
     if newest is None:
@@ -544,13 +544,12 @@ class CheckpointReader:
         except SigningError as err:
             raise CheckpointError(str(err)) from None
 
-    def newest_verified_state(self) -> Optional[Tuple[Entry, Dict]]:
-        """(checkpoint, trainer state) of the newest complete, unskipped checkpoint that verifies, or None."""
+    def verified_states(self) -> Iterator[Tuple[Entry, Dict]]:
+        """(checkpoint, trainer state) of each complete, unskipped checkpoint that verifies, newest first."""
         for entry in reversed([e for e in self._entries(log_it=False) if e.complete and not e.skipped]):
             _, state, reason = self._read_verified(entry, warn=False)
             if reason is None:
-                return entry, state
-        return None
+                yield entry, state
 
     def _entries(self, log_it: bool) -> List[Entry]:
         """Rank 0: the store's checkpoints; a skip mark counts only when it is signed for its manifest."""
@@ -883,11 +882,12 @@ class CheckpointManager(CheckpointReader):
         resuming so that a planned run keeps it on another world size. Only a hint: resume() verifies."""
 
         def read() -> Optional[int]:  # only from a trainer state whose manifest verifies
-            newest = self.newest_verified_state()
-            try:
-                return None if newest is None else int(newest[1]["settings"]["global_batch"])
-            except (ValueError, KeyError, TypeError):
-                return None
+            for _, state in self.verified_states():
+                try:
+                    return int(state["settings"]["global_batch"])
+                except (ValueError, KeyError, TypeError):
+                    pass
+            return None
 
         return self.ctx.broadcast_object(read() if self.ctx.is_main else None)
 
