@@ -94,7 +94,7 @@ def section_first(h, w):
 
 
 def section_ce():
-    from fuseforge.ops._shared.loss_options import LossOptions
+    from fuseforge.loss_args import LossOptions
     from fuseforge.ops.cross_entropy import ce_forward_stats, ce_write_grad
     from fuseforge.ops._shared.vocab_major_cross_entropy import vocab_major_grad_in_place, vocab_major_loss_and_lse
 

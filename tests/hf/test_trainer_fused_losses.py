@@ -26,7 +26,7 @@ import trl  # noqa: E402 - a pinned test dependency (pyproject's dev extra)
 from test_transformers_tiny_models import single_thread  # noqa: E402,F401 - autouse fixture (one torch thread)
 
 import fuseforge.transformers as ff  # noqa: E402
-from fuseforge.transformers import trainers as trainers_mod  # noqa: E402
+from fuseforge.transformers.trainers import dpo, grpo, kto  # noqa: E402
 from fuseforge.transformers.trainers import DPO_LOGITS_METRICS, KTO_LOGITS_METRICS  # noqa: E402
 from trainer_support import common_args, tiny_llama, tokenizer  # noqa: E402,F401 - tokenizer: a fixture
 
@@ -96,14 +96,14 @@ class WideLogits(TorchFunctionMode):
 @pytest.fixture
 def dpo_calls(monkeypatch):
     calls = Counter()
-    real = trainers_mod.fused_linear_dpo_loss
+    real = dpo.fused_linear_dpo_loss
 
     def counted(*args, **kwargs):
         calls[kwargs["loss_type"]] += 1
         calls["reference: " + ("log-probs" if kwargs.get("ref_logps") is not None else "model")] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainers_mod, "fused_linear_dpo_loss", counted)
+    monkeypatch.setattr(dpo, "fused_linear_dpo_loss", counted)
     return calls
 
 
@@ -223,7 +223,7 @@ def test_dpo_trainer_subclass_overriding_compute_loss_falls_back(tokenizer, tmp_
 @pytest.fixture
 def kto_calls(monkeypatch):
     calls = Counter()
-    real_loss, real_kl = trainers_mod.fused_linear_kto_loss, trainers_mod.fused_linear_kto_kl
+    real_loss, real_kl = kto.fused_linear_kto_loss, kto.fused_linear_kto_kl
 
     def loss(*args, **kwargs):
         calls[kwargs["loss_type"]] += 1
@@ -234,8 +234,8 @@ def kto_calls(monkeypatch):
         calls["kl"] += 1
         return real_kl(*args, **kwargs)
 
-    monkeypatch.setattr(trainers_mod, "fused_linear_kto_loss", loss)
-    monkeypatch.setattr(trainers_mod, "fused_linear_kto_kl", kl)
+    monkeypatch.setattr(kto, "fused_linear_kto_loss", loss)
+    monkeypatch.setattr(kto, "fused_linear_kto_kl", kl)
     return calls
 
 
@@ -321,13 +321,13 @@ def test_grpo_trainer_trains_on_fused_grpo_loss(loss_type, policy, tokenizer, tm
     """policy "adapter": a LoRA policy (peft) with a KL term (beta > 0) to the policy with its adapter disabled."""
     extra = dict(peft_adapter=True, beta=0.1) if policy == "adapter" else {}
     calls = Counter()
-    real = trainers_mod.fused_linear_grpo_loss
+    real = grpo.fused_linear_grpo_loss
 
     def counted(*args, **kwargs):
         calls[kwargs["loss_type"]] += 1
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(trainers_mod, "fused_linear_grpo_loss", counted)
+    monkeypatch.setattr(grpo, "fused_linear_grpo_loss", counted)
     expected = train(grpo_trainer(tokenizer, tmp_path, loss_type=loss_type, **extra))
     assert all("entropy" in log for log in expected)
 

@@ -23,10 +23,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fuseforge.ops import cross_entropy as ce
-from fuseforge.ops import glu, jsd, kl_div, layer_norm, nf4, rms_norm, rope
-from fuseforge.ops._shared import rowwise, scaling, targets
+from fuseforge.ops import glu, jsd, kl_div, layer_norm, master_adamw, nf4, rms_norm, rope
+from fuseforge.ops._shared import cross_entropy_tiles, rowwise, scaling, targets
 from fuseforge.ops._shared import vocab_major_cross_entropy as vm
-from fuseforge.optim import master_adamw
 
 TARGET = GPUTarget("cuda", 90, 32)
 # `--resources`: also print each variant's registers and spills (LOCAL > 0 means spilled).
@@ -140,7 +139,7 @@ def main() -> int:
                          dict(HAS_SECOND=second, EMULATE_RNE=False, BLOCK_P=64, BLOCK_N=64), num_warps=4)
     compile_for_sm90(targets._scan_targets_kernel, {"target_ptr": i64, "inv_count_ptr": f32, "found_ptr": i64}, f32,
                      dict(BLOCK=targets._BLOCK))
-    compile_for_sm90(ce.ce_finalize_kernel, {"stats_ptr": f32, "target_ptr": i64, "loss_ptr": f32, "lse_ptr": f32},
+    compile_for_sm90(cross_entropy_tiles.ce_finalize_kernel, {"stats_ptr": f32, "target_ptr": i64, "loss_ptr": f32, "lse_ptr": f32},
                      f32, dict(HAS_SMOOTHING=True, HAS_Z_LOSS=True, BLOCK_T=64, BLOCK_S=32), num_warps=4)
     return 0
 

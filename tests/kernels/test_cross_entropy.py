@@ -5,7 +5,7 @@ import torch
 
 from ce_reference import random_targets, reference_cross_entropy, reference_lse
 from fuseforge.modules.losses import CrossEntropyLoss
-from fuseforge.ops._shared.loss_options import LossOptions
+from fuseforge.loss_args import LossOptions
 from fuseforge.ops.cross_entropy import (
     ce_forward_stats,
     ce_write_grad,

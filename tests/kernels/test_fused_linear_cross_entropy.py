@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import fuseforge.ops.fused_linear_cross_entropy as flce_module
 from ce_reference import random_targets, reference_cross_entropy, reference_lse
 from fuseforge.modules.losses import FusedLinearCrossEntropyLoss
-from fuseforge.ops._shared.loss_options import LossOptions
+from fuseforge.loss_args import LossOptions
 from fuseforge.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 from fuseforge.ops._shared.vocab_major_cross_entropy import vocab_major_loss_and_lse
 from tolerances import assert_close

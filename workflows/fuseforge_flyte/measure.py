@@ -42,7 +42,7 @@ from typing import Any, Iterable, Iterator, List, Mapping, Optional
 
 import torch
 
-from fuseforge.ops._shared.loss_args import IGNORE_INDEX  # labels that carry no loss (transformers' convention)
+from fuseforge.loss_args import IGNORE_INDEX  # labels that carry no loss (transformers' convention)
 from fuseforge_flyte.training.metrics import (History, device_name, final_loss, peak_memory_gib, perplexity,
                                               reset_peak_memory, summarize)
 from fuseforge_flyte.training.spec import TrainMetrics

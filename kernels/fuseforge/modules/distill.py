@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from fuseforge.ops._shared.loss_args import IGNORE_INDEX, check_chunk_size
+from fuseforge.loss_args import IGNORE_INDEX, check_chunk_size
 from fuseforge.ops.jsd import JSD_REDUCTIONS, check_beta, fused_linear_jsd, jsd
 from fuseforge.ops.kl_div import KL_REDUCTIONS, kl_div
-from fuseforge.ops._shared.utils import check_int64, check_positive, check_reduction
+from fuseforge.checks import check_int64, check_positive, check_reduction
 
 
 class JSDLoss(torch.nn.Module):

@@ -7,7 +7,7 @@ from dataclasses import asdict
 import torch
 
 from fuseforge.modules.preference import _HeadLoss
-from fuseforge.ops._shared.loss_args import IGNORE_INDEX
+from fuseforge.loss_args import IGNORE_INDEX
 from fuseforge.ops.grpo import GRPOOutput, check_grpo_options, fused_linear_grpo_loss
 
 

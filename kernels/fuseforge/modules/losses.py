@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from fuseforge.ops._shared.loss_args import IGNORE_INDEX, check_chunk_size
+from fuseforge.loss_args import IGNORE_INDEX, check_chunk_size, check_loss_options
 from fuseforge.ops.cross_entropy import cross_entropy
-from fuseforge.ops._shared.loss_options import check_loss_options
 from fuseforge.ops.fused_linear_cross_entropy import fused_linear_cross_entropy
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from fuseforge.modules._checks import check_size
 from fuseforge.ops.layer_norm import layer_norm
 from fuseforge.ops.rms_norm import CASTING_MODES, fused_add_rms_norm, rms_norm
-from fuseforge.ops._shared.utils import check_positive
+from fuseforge.checks import check_positive
 
 _WEIGHT_INITS = {"ones": nn.init.ones_, "zeros": nn.init.zeros_}
 

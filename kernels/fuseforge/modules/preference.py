@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from fuseforge.ops._shared.loss_args import IGNORE_INDEX, check_chunk_size
+from fuseforge.loss_args import IGNORE_INDEX, check_chunk_size
 from fuseforge.ops.preference import (
     CPO_LOSS_TYPES,
     DPO_LOSS_TYPES,
@@ -26,7 +26,7 @@ from fuseforge.ops.preference import (
     fused_linear_orpo_loss,
     fused_linear_simpo_loss,
 )
-from fuseforge.ops._shared.utils import check_int64
+from fuseforge.checks import check_int64
 
 
 class _HeadLoss(torch.nn.Module):

@@ -37,13 +37,12 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from fuseforge.ops._shared.compiled import compiling
-from fuseforge.ops._shared.loss_args import IGNORE_INDEX, MIN_CHUNK_TOKENS, check_chunk_size
+from fuseforge.loss_args import IGNORE_INDEX, LossOptions, MIN_CHUNK_TOKENS, check_chunk_size, check_loss_options
 from fuseforge.ops.cross_entropy import (
     ce_forward_stats,
     ce_write_grad,
     check_target,
 )
-from fuseforge.ops._shared.loss_options import LossOptions, check_loss_options
 from fuseforge.ops._shared.scaling import scale_unless_one
 from fuseforge.ops._shared.targets import raise_pending_target_errors, scan_targets
 from fuseforge.ops._shared.utils import (

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fuseforge.ops._shared.loss_args import IGNORE_INDEX
+from fuseforge.loss_args import IGNORE_INDEX
 from fuseforge.ops.preference import check_choice, check_nonnegative
 from fuseforge.ops.token_logprobs import (
     check_lm_head_inputs,
@@ -48,7 +48,8 @@ from fuseforge.ops.token_logprobs import (
     fused_linear_token_objective,
     reference_token_logprobs,
 )
-from fuseforge.ops._shared.utils import FLOAT_DTYPES, check_int64, check_positive, check_same_device, check_tensor
+from fuseforge.checks import check_int64, check_positive
+from fuseforge.ops._shared.utils import FLOAT_DTYPES, check_same_device, check_tensor
 
 GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")

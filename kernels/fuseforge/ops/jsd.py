@@ -30,13 +30,11 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from fuseforge.ops._shared.loss_args import IGNORE_INDEX, MIN_CHUNK_TOKENS, check_chunk_size
+from fuseforge.loss_args import IGNORE_INDEX, MIN_CHUNK_TOKENS, check_chunk_size
+from fuseforge.checks import check_int64, check_positive, check_reduction
 from fuseforge.ops._shared.utils import (
     TRAINING_DTYPES,
     check_device_supported,
-    check_int64,
-    check_positive,
-    check_reduction,
     check_same_device,
     check_same_dtype,
     check_tensor,

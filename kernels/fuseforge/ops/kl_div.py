@@ -20,10 +20,10 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from fuseforge.checks import check_reduction
 from fuseforge.ops._shared.utils import (
     TRAINING_DTYPES,
     check_device_supported,
-    check_reduction,
     check_same_device,
     check_tensor,
     is_interpreter,

@@ -32,7 +32,8 @@ from fuseforge.ops._shared.rowwise import (
     sum_partials,
 )
 from fuseforge.ops._shared.compiled import compiling
-from fuseforge.ops._shared.utils import check_device_supported, check_positive, check_same_device, check_tensor, is_interpreter
+from fuseforge.checks import check_positive
+from fuseforge.ops._shared.utils import check_device_supported, check_same_device, check_tensor, is_interpreter
 
 
 @triton.jit

@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from fuseforge.ops._shared.loss_args import IGNORE_INDEX
+from fuseforge.loss_args import IGNORE_INDEX
 from fuseforge.ops.token_logprobs import (
     check_lm_head_inputs,
     check_reference_inputs,
@@ -61,7 +61,8 @@ from fuseforge.ops.token_logprobs import (
     fused_linear_token_logprobs,
     reference_token_logprobs,
 )
-from fuseforge.ops._shared.utils import check_int64, check_positive, check_same_device, check_tensor
+from fuseforge.checks import check_int64, check_positive
+from fuseforge.ops._shared.utils import check_same_device, check_tensor
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
 CPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")

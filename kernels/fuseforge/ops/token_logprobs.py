@@ -28,9 +28,8 @@ from typing import Callable
 import torch
 from torch.autograd.function import once_differentiable
 
-from fuseforge.ops._shared.loss_args import IGNORE_INDEX, check_chunk_size
+from fuseforge.loss_args import IGNORE_INDEX, LossOptions, check_chunk_size
 from fuseforge.ops.cross_entropy import ce_forward_stats, check_target
-from fuseforge.ops._shared.loss_options import LossOptions
 from fuseforge.ops.fused_linear_cross_entropy import (
     _autocast_inputs,
     _chunked_sweep,
@@ -41,14 +40,8 @@ from fuseforge.ops.fused_linear_cross_entropy import (
 )
 from fuseforge.ops._shared.scaling import scale_unless_one
 from fuseforge.ops._shared.targets import raise_pending_target_errors, scan_targets
-from fuseforge.ops._shared.utils import (
-    TRAINING_DTYPES,
-    check_device_supported,
-    check_int64,
-    check_positive,
-    check_same_device,
-    check_tensor,
-)
+from fuseforge.checks import check_int64, check_positive
+from fuseforge.ops._shared.utils import TRAINING_DTYPES, check_device_supported, check_same_device, check_tensor
 from fuseforge.ops._shared.vocab_major_cross_entropy import vocab_major_loss_and_lse
 
 # token_loss(logp [n] fp32, rows) -> [n]: the loss terms of tokens `rows` (a slice of the flattened tokens).

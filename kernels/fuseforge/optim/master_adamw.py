@@ -17,62 +17,11 @@ divided by it as it is read): that is how gradient clipping costs one read of th
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Iterable, Optional
 
 import torch
-import triton
-import triton.language as tl
 
-from fuseforge.ops._shared.rowwise import round_to
-from fuseforge.ops._shared.utils import check_device_supported, is_interpreter
-
-_BLOCK = 4096
-_LOW_DTYPES = (torch.bfloat16, torch.float16)
-_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@triton.jit
-def _master_adamw_kernel(
-    master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, grad_scale_ptr,
-    n, lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt,
-    HAS_GRAD_SCALE: tl.constexpr, EMULATE_RNE: tl.constexpr, BLOCK: tl.constexpr,
-):
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    param = tl.load(master_ptr + offsets, mask=mask, other=0.0)
-    grad = tl.load(grad_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_GRAD_SCALE:
-        grad = grad / tl.load(grad_scale_ptr)
-    exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask, other=0.0)
-    exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask, other=0.0)
-    param = param - lr * weight_decay * param
-    exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
-    exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
-    denom = tl.sqrt(exp_avg_sq) / bias_correction2_sqrt + eps
-    param = param - step_size * exp_avg / denom
-    tl.store(master_ptr + offsets, param, mask=mask)
-    tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
-    tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
-    tl.store(copy_ptr + offsets, round_to(param, copy_ptr.dtype.element_ty, EMULATE_RNE), mask=mask)
-
-
-def _check_pair(master: torch.Tensor, copy: torch.Tensor, grad: torch.Tensor) -> None:
-    if master.dtype != torch.float32:
-        raise TypeError(f"MasterAdamW updates fp32 master weights, got a {master.dtype} parameter")
-    if copy.dtype not in _LOW_DTYPES:
-        raise TypeError(f"the model copy of a master weight must be bf16 or fp16, got {copy.dtype}")
-    if grad.dtype not in _GRAD_DTYPES:
-        raise TypeError(f"a master weight's gradient must be fp32, bf16 or fp16, got {grad.dtype}")
-    if copy.shape != master.shape or grad.shape != master.shape:
-        raise ValueError(f"master {tuple(master.shape)}, its model copy {tuple(copy.shape)} and its gradient "
-                         f"{tuple(grad.shape)} must have the same shape")
-    for name, t in (("master weight", master), ("model copy", copy), ("gradient", grad)):
-        if not t.is_contiguous():
-            raise ValueError(f"MasterAdamW needs a contiguous {name} (shape {tuple(t.shape)}, strides {t.stride()})")
-        if t.device != master.device:
-            raise ValueError(f"the {name} is on {t.device}, its master weight on {master.device}")
-    check_device_supported("master weight", master)
+from fuseforge.ops.master_adamw import check_master_weight, master_adamw_update
 
 
 class MasterAdamW(torch.optim.AdamW):
@@ -116,22 +65,15 @@ class MasterAdamW(torch.optim.AdamW):
                 if grad is None:
                     continue
                 copy = self.model_copy_of(master)
-                _check_pair(master, copy, grad)
+                check_master_weight(master, copy, grad)
                 state = self.state[master]
                 if not state:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
                 state["step"] += 1
-                step = float(state["step"])
-                n = master.numel()
-                if n == 0:
-                    continue
-                _master_adamw_kernel[(triton.cdiv(n, _BLOCK),)](
-                    master, grad, state["exp_avg"], state["exp_avg_sq"], copy,
-                    grad_scale if grad_scale is not None else master,
-                    n, lr, beta1, beta2, group["eps"], group["weight_decay"],
-                    lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step),
-                    HAS_GRAD_SCALE=grad_scale is not None, EMULATE_RNE=is_interpreter(), BLOCK=_BLOCK, num_warps=8,
+                master_adamw_update(
+                    master, grad, state["exp_avg"], state["exp_avg_sq"], copy, grad_scale, lr=lr, beta1=beta1,
+                    beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], step=float(state["step"]),
                 )
         return loss

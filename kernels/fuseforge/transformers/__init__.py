@@ -25,16 +25,16 @@ from fuseforge.transformers.auto import AutoFusedModelForCausalLM
 from fuseforge.transformers.families import SUPPORTED_MODEL_TYPES
 from fuseforge.transformers.lora import TESTED_PEFT, quantize_base_nf4
 from fuseforge.transformers.loss import Distillation, causal_lm_loss
-from fuseforge.transformers.patching import (
+from fuseforge.transformers.dispatch import (
     DEFAULT_FLAGS,
     FAMILY_FUNCTIONS,
     apply_kernels,
     get_patch_report,
     is_patched,
     patched,
-    set_loss_chunk_size,
     unpatch,
 )
+from fuseforge.transformers.patching import set_loss_chunk_size
 from fuseforge.transformers.report import PatchReport
 from fuseforge.transformers.trainers import TRAINER_POLICIES, TrainerPolicy
 

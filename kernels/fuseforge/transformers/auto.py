@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fuseforge.transformers.patching import DEFAULT_OPTIONS, apply_kernels
+from fuseforge.transformers.dispatch import DEFAULT_OPTIONS, apply_kernels
 
 
 def _split_options(kwargs: dict) -> dict:

@@ -39,8 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fuseforge.functional import cross_entropy, fused_linear_cross_entropy, fused_linear_jsd
-from fuseforge.ops._shared.compiled import compiling
-from fuseforge.ops._shared.loss_args import IGNORE_INDEX
+from fuseforge.loss_args import IGNORE_INDEX
 
 
 LOSS_SPEC_ATTR = "_fuseforge_loss"  # where a patched causal LM keeps its LossSpec
@@ -110,7 +109,7 @@ _EAGER_LOCK = threading.Lock()
 
 
 def _pending_request() -> _LossRequest | None:
-    if not compiling():
+    if not torch.compiler.is_compiling():
         return _PENDING.get()
     if _TRACED_REQUESTS:
         return _TRACED_REQUESTS[-1]
@@ -120,7 +119,7 @@ def _pending_request() -> _LossRequest | None:
 def _call_with_request(self, original, request: _LossRequest, args: tuple, kwargs: dict):
     """The original forward with `request` pending for this model's lm_head."""
     global _EAGER_REQUESTS
-    if compiling():
+    if torch.compiler.is_compiling():
         _TRACED_REQUESTS.append(request)
         try:
             return original(self, *args, return_dict=True, **kwargs)

@@ -1,4 +1,4 @@
-"""apply_kernels / unpatch / patched: the one-line patching of Hugging Face models.
+"""The patching of Hugging Face models and model classes (apply_kernels' model side: dispatch.py is the entry).
 
 An instance is patched in place: each recognised module's class is swapped for a
 fused subclass (weights untouched), the causal-LM head gets the fused-loss forward
@@ -10,19 +10,17 @@ every instance built afterwards (`from_pretrained`, `from_config`, Trainer's
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import inspect
 import types
 import warnings
 from dataclasses import dataclass, field, replace
 
 from torch import nn
 
-from fuseforge.ops._shared.loss_args import check_chunk_size
+from fuseforge.loss_args import check_chunk_size
 from fuseforge.transformers import rope as rope_patch
 from fuseforge.transformers._swap import is_fused, restore, swap
-from fuseforge.transformers.families import FAMILIES, Family, family_for_model_type
+from fuseforge.transformers.families import Family, family_for_model_type
 from fuseforge.transformers.layers import plan, plan_decoder_layer
 from fuseforge.transformers.lora import FusedLoraLinearMixin, lora_layers, peft_notes, plan_lora
 from fuseforge.transformers.loss import (
@@ -37,7 +35,8 @@ from fuseforge.transformers.loss import (
 )
 from fuseforge.transformers.report import PatchReport
 
-_STATE_ATTR = "_fuseforge_state"
+# Where a patched instance (or trainer: trainers/apply.py) keeps what the patch changed; a class, its _ClassPatch.
+STATE_ATTR = "_fuseforge_state"
 _CLASS_ATTR = "_fuseforge_class_patch"
 
 
@@ -56,24 +55,6 @@ class _State:
 _MISSING = object()
 
 
-def _check_flags(flags: dict) -> dict:
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"kernel flag {name} must be a bool, got {type(value).__name__}")
-    return dict(flags)
-
-
-def _check_loss_chunk_size(loss_chunk_size, fused_linear_cross_entropy: bool) -> int | None:
-    """None (the op's default rule) or a positive int of tokens; only the fused loss head has chunks."""
-    loss_chunk_size = check_chunk_size(loss_chunk_size, "loss_chunk_size")
-    if loss_chunk_size is not None and not fused_linear_cross_entropy:
-        raise ValueError(
-            f"loss_chunk_size={loss_chunk_size} sizes the chunks of the fused loss head, but "
-            "fused_linear_cross_entropy=False turns that head off: drop one of the two"
-        )
-    return loss_chunk_size
-
-
 def _new_report(target: str, model_type: str | None, family: Family | None, options: dict) -> PatchReport:
     flags = {name: value for name, value in options.items() if name != "loss_chunk_size"}
     return PatchReport(
@@ -85,7 +66,7 @@ def _new_report(target: str, model_type: str | None, family: Family | None, opti
     )
 
 
-def _model_type(model_or_class) -> str | None:
+def model_type_of(model_or_class) -> str | None:
     config = getattr(model_or_class, "config", None)
     if config is None or isinstance(model_or_class, type):
         config = getattr(model_or_class, "config_class", None)
@@ -251,11 +232,20 @@ def _patch_lora(model: nn.Module, options: dict, state: _State) -> None:
 
 def _patched_inside(model: nn.Module) -> list[nn.Module]:
     """Modules below `model` that carry their own patch (a model patched before peft wrapped it)."""
-    return [m for m in model.modules() if m is not model and _STATE_ATTR in m.__dict__]
+    return [m for m in model.modules() if m is not model and STATE_ATTR in m.__dict__]
 
 
-def _patch_instance(model: nn.Module, options: dict) -> PatchReport:
-    model_type = _model_type(model)
+def patch_instance(model: nn.Module, options: dict) -> PatchReport:
+    """apply_kernels on an instance (options: its checked keyword arguments); see dispatch.apply_kernels."""
+    for inner in _patched_inside(model):  # patched, then wrapped (peft): patch the whole instead
+        unpatch_instance(inner)
+    state = model.__dict__.get(STATE_ATTR)
+    if state is not None:
+        if state.options == options:
+            _patch_lora(model, options, state)  # adapters added since
+            return state.report
+        unpatch_instance(model)
+    model_type = model_type_of(model)
     family = family_for_model_type(model_type)
     report = _new_report(type(model).__name__, model_type, family, options)
     state = _State(options=dict(options), report=report)
@@ -271,7 +261,7 @@ def _patch_instance(model: nn.Module, options: dict) -> PatchReport:
     except BaseException:
         _undo(state)
         raise
-    setattr(model, _STATE_ATTR, state)
+    setattr(model, STATE_ATTR, state)
     report.notes.extend(peft_notes(model))
     if report.needs_warning():
         warnings.warn(report.summary(), UserWarning, stacklevel=3)
@@ -287,7 +277,7 @@ def _undo(state: _State) -> None:
     for lm in state.forwards:
         forward = lm.__dict__.get("forward")
         if getattr(forward, "_fuseforge_fused_forward", False):
-            previous = getattr(forward, "_fuseforge_previous_forward", None)  # see trainers._route
+            previous = getattr(forward, "_fuseforge_previous_forward", None)  # see trainers/trl_head.py
             if previous is None:
                 del lm.forward
             else:
@@ -309,8 +299,9 @@ class _ClassPatch:
     report: PatchReport
 
 
-def _patch_class(cls: type, options: dict) -> PatchReport:
-    model_type = _model_type(cls)
+def patch_class(cls: type, options: dict) -> PatchReport:
+    """apply_kernels on a model class: instances built from now on are patched with `options`."""
+    model_type = model_type_of(cls)
     family = family_for_model_type(model_type)
     report = _new_report(f"class {cls.__name__}", model_type, family, options)
     existing = cls.__dict__.get(_CLASS_ATTR)
@@ -325,7 +316,7 @@ def _patch_class(cls: type, options: dict) -> PatchReport:
     @functools.wraps(inherited_init)
     def __init__(self, *args, **kwargs):
         inherited_init(self, *args, **kwargs)
-        apply_kernels(self, **patch.options)
+        patch_instance(self, patch.options)
 
     cls.__init__ = __init__
     setattr(cls, _CLASS_ATTR, patch)
@@ -335,7 +326,7 @@ def _patch_class(cls: type, options: dict) -> PatchReport:
     return report
 
 
-def _unpatch_class(cls: type) -> bool:
+def unpatch_class(cls: type) -> bool:
     patch = cls.__dict__.get(_CLASS_ATTR)
     if patch is None:
         return False
@@ -347,129 +338,22 @@ def _unpatch_class(cls: type) -> bool:
     return True
 
 
-# --- public API --------------------------------------------------------------------------------
+# --- undo and look-up ---------------------------------------------------------------------------
 
 
-def apply_kernels(
-    model_or_class,
-    *,
-    rms_norm: bool = True,
-    rope: bool = True,
-    swiglu: bool = True,
-    fused_linear_cross_entropy: bool = True,
-    cross_entropy: bool = False,
-    layer_norm: bool = True,
-    lora: bool = True,
-    loss_chunk_size: int | None = None,
-) -> PatchReport:
-    """Swap fuseforge's fused kernels into a Hugging Face model (instance) or model class.
-
-    Flags: rms_norm, layer_norm, rope, swiglu (gated MLPs: SwiGLU and GeGLU, MoE experts),
-    fused_linear_cross_entropy (training loss without logits), cross_entropy (the loss
-    when logits are computed), lora (peft's LoRA linears as one op each: see transformers/lora.py).
-
-    A peft.PeftModel is patched whole: every kernel as for the model inside, plus `lora`; a model
-    patched before peft added adapters keeps its kernels, and apply_kernels on the PeftModel then
-    takes over that patch (and fuses the LoRA layers). The report's notes say what PEFT changes.
-
-    loss_chunk_size: tokens per chunk of the fused loss head (None: the op's default,
-    64 MiB of logits or the size of the hidden states, at least 256 tokens). Bigger
-    chunks trade peak memory for speed: each chunk re-reads the whole lm_head gradient.
-
-    On an instance, already-loaded weights are kept: modules change class, not
-    parameters. Patching again with the same options is a no-op; with other options the
-    previous patch is undone first. A RoPE patch swaps the family's module-global
-    `apply_rotary_pos_emb` for a dispatcher that only runs the fused kernel inside
-    patched models; `unpatch` restores it once no patched model uses it.
-
-    With fused_linear_cross_entropy, a causal LM called with `labels` (or `shift_labels`)
-    while training returns the loss with `logits=None`; in eval mode, without labels,
-    or with `skip_logits=False` logits are computed as usual (`skip_logits=True` forces
-    the fused path in eval mode).
-
-    A built `transformers.Trainer` or TRL trainer patches `trainer.model` (and its
-    reference / teacher model) and adapts the trainer to the fused loss, or turns the
-    fused loss off where the trainer computes its loss itself: see
-    `fuseforge.transformers.trainers`. The report is then the trainer's.
-
-    Unknown model types are patched where modules are recognised from their code and
-    get a warning naming what was and was not patched. Returns a PatchReport.
-    """
-    flags = _check_flags(
-        dict(
-            rms_norm=rms_norm,
-            layer_norm=layer_norm,
-            rope=rope,
-            swiglu=swiglu,
-            fused_linear_cross_entropy=fused_linear_cross_entropy,
-            cross_entropy=cross_entropy,
-            lora=lora,
-        )
-    )
-    options = {**flags, "loss_chunk_size": _check_loss_chunk_size(loss_chunk_size, fused_linear_cross_entropy)}
-    from fuseforge.transformers import trainers  # here: trainers imports this module
-
-    if trainers._is_trainer(model_or_class):
-        return trainers.apply_kernels_to_trainer(model_or_class, options)
-    if isinstance(model_or_class, type):
-        if not issubclass(model_or_class, nn.Module):
-            raise TypeError(f"model_or_class must be an nn.Module or an nn.Module class, got {model_or_class!r}")
-        return _patch_class(model_or_class, options)
-    if not isinstance(model_or_class, nn.Module):
-        raise TypeError(
-            f"model_or_class must be an nn.Module or an nn.Module class, got {type(model_or_class).__name__} "
-            "(a built transformers.Trainer or TRL trainer is accepted too)"
-        )
-    for inner in _patched_inside(model_or_class):  # patched, then wrapped (peft): patch the whole instead
-        unpatch(inner)
-    state = model_or_class.__dict__.get(_STATE_ATTR)
-    if state is not None:
-        if state.options == options:
-            _patch_lora(model_or_class, options, state)  # adapters added since
-            return state.report
-        unpatch(model_or_class)
-    return _patch_instance(model_or_class, options)
-
-
-# Every keyword argument of apply_kernels with its default, and the kernel on/off flags among them.
-DEFAULT_OPTIONS = types.MappingProxyType(
-    {
-        name: param.default
-        for name, param in inspect.signature(apply_kernels).parameters.items()
-        if param.kind is inspect.Parameter.KEYWORD_ONLY
-    }
-)
-DEFAULT_FLAGS = types.MappingProxyType({name: v for name, v in DEFAULT_OPTIONS.items() if isinstance(v, bool)})
-
-
-def unpatch(model_or_class) -> bool:
-    """Undo apply_kernels on an instance, class or trainer; True if there was a patch to undo."""
-    if isinstance(model_or_class, type):
-        return _unpatch_class(model_or_class)
-    from fuseforge.transformers import trainers
-
-    if trainers._is_trainer(model_or_class):
-        return trainers.unpatch_trainer(model_or_class)
-    state = model_or_class.__dict__.pop(_STATE_ATTR, None)
+def unpatch_instance(model: nn.Module) -> bool:
+    """Undo patch_instance; True if there was a patch to undo."""
+    state = model.__dict__.pop(STATE_ATTR, None)
     if state is None:
         return False
     _undo(state)
     return True
 
 
-def _applied(model_or_class) -> _State | _ClassPatch | None:
-    holder = _CLASS_ATTR if isinstance(model_or_class, type) else _STATE_ATTR
+def current_patch(model_or_class) -> _State | _ClassPatch | None:
+    """What the patch applied to a model, class or trainer recorded (its `options` and `report`), or None."""
+    holder = _CLASS_ATTR if isinstance(model_or_class, type) else STATE_ATTR
     return getattr(model_or_class, "__dict__", {}).get(holder)
-
-
-def get_patch_report(model_or_class) -> PatchReport | None:
-    """The report of the patch currently applied to a model or class, or None."""
-    state = _applied(model_or_class)
-    return None if state is None else state.report
-
-
-def is_patched(model_or_class) -> bool:
-    return get_patch_report(model_or_class) is not None
 
 
 def set_loss_chunk_size(model: nn.Module, loss_chunk_size: int | None) -> None:
@@ -478,7 +362,7 @@ def set_loss_chunk_size(model: nn.Module, loss_chunk_size: int | None) -> None:
     Cheaper than patching again (nothing is swapped): a planner can try chunk sizes between steps. The
     report and a later `apply_kernels(model, loss_chunk_size=...)` see the new value.
     """
-    state = model.__dict__.get(_STATE_ATTR) if isinstance(model, nn.Module) else None
+    state = model.__dict__.get(STATE_ATTR) if isinstance(model, nn.Module) else None
     if state is None:
         raise ValueError(f"set_loss_chunk_size: {type(model).__name__} is not patched by apply_kernels")
     if not state.forwards:
@@ -489,38 +373,3 @@ def set_loss_chunk_size(model: nn.Module, loss_chunk_size: int | None) -> None:
         setattr(lm, LOSS_SPEC_ATTR, replace(getattr(lm, LOSS_SPEC_ATTR), chunk_size=loss_chunk_size))
     state.options["loss_chunk_size"] = loss_chunk_size
     state.report.loss_chunk_size = loss_chunk_size
-
-
-@contextlib.contextmanager
-def patched(model_or_class, **options):
-    """Patch for the duration of a `with` block, then restore what was there before."""
-    previous = _applied(model_or_class)
-    previous_options = None if previous is None else dict(previous.options)
-    report = apply_kernels(model_or_class, **options)
-    try:
-        yield report
-    finally:
-        unpatch(model_or_class)
-        if previous_options is not None:
-            apply_kernels(model_or_class, **previous_options)
-
-
-def _family_function(family: Family):
-    def apply(model_or_class, **options) -> PatchReport:
-        model_type = _model_type(model_or_class)
-        if model_type not in family.model_types:
-            raise ValueError(
-                f"apply_kernels_to_{family.name} expects a model with config.model_type in "
-                f"{family.model_types}, got {model_type!r}; use apply_kernels for dispatch by model type"
-            )
-        return apply_kernels(model_or_class, **options)
-
-    apply.__name__ = apply.__qualname__ = f"apply_kernels_to_{family.name}"
-    apply.__doc__ = (
-        f"apply_kernels for {family.name} models (model_type {', '.join(family.model_types)}); "
-        "raises ValueError for other model types."
-    )
-    return apply
-
-
-FAMILY_FUNCTIONS = {f"apply_kernels_to_{name}": _family_function(f) for name, f in FAMILIES.items()}

@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from fuseforge.functional import rope
-from fuseforge.ops._shared.compiled import compiling
 from fuseforge.transformers._fingerprint import matches
 
 # Verified `apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)` bodies (rotate-half convention):
@@ -95,7 +94,7 @@ _TRACED_SCOPES: list[bool] = []
 
 def _active() -> bool:
     """Whether a patched attention forward (the fused-RoPE scope) is running."""
-    if compiling():
+    if torch.compiler.is_compiling():
         return bool(_TRACED_SCOPES)
     return _ACTIVE.get()
 _LOCK = threading.RLock()
@@ -345,7 +344,7 @@ class FusedRoPEAttentionMixin:
     def forward(self, *args, **kwargs):
         if not all(ensure_installed(site) for site in rope_sites_of(type(self)._fuseforge_original)):
             return super().forward(*args, **kwargs)
-        if compiling():
+        if torch.compiler.is_compiling():
             _TRACED_SCOPES.append(True)
             try:
                 return super().forward(*args, **kwargs)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from typing import Dict, List, Optional, Sequence
 
-from fuseforge.ops._shared.loss_args import IGNORE_INDEX  # pure Python: loads no torch/triton
+from fuseforge.loss_args import IGNORE_INDEX  # pure Python: loads no torch/triton
 
 FORMAT_COLUMNS = {"messages": ("messages",), "prompt_completion": ("prompt", "completion"), "text": ("text",)}
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")

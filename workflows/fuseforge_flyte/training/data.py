@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from fuseforge.ops._shared.loss_args import IGNORE_INDEX  # re-exported: engine and tests import it from here
+from fuseforge.loss_args import IGNORE_INDEX  # re-exported: engine and tests import it from here
 
 log = logging.getLogger("fuseforge.training")
 

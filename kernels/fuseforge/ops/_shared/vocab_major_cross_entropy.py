@@ -10,8 +10,8 @@ reduction over BLOCK_V never leaves the thread: 0.62 ms there (gradient pass: 1.
 
 Token-major chunks stay on ops/cross_entropy.py, which was faster for them on the H200.
 Only the tile walk is this module's own: the per-tile math (softmax statistics, gradient),
-the statistics layout and the merge kernel are ops/cross_entropy.py's, so both layouts give
-the same loss. Loss options (label smoothing, z-loss, softcap, ignore_index) mean the same as there.
+the statistics layout and the merge kernel are cross_entropy_tiles.py's, shared with ops/cross_entropy.py,
+so both layouts give the same loss. Loss options (label smoothing, z-loss, softcap, ignore_index) mean the same as there.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fuseforge.ops.cross_entropy import (
+from fuseforge.loss_args import LossOptions
+from fuseforge.ops._shared.cross_entropy_tiles import (
     N_STATS,
     VocabSplitTiling,
     ce_finalize_kernel,
@@ -32,7 +33,6 @@ from fuseforge.ops.cross_entropy import (
     load_target_logit,
     store_split_stats,
 )
-from fuseforge.ops._shared.loss_options import LossOptions
 from fuseforge.ops._shared.utils import is_interpreter, num_programs_hint
 
 

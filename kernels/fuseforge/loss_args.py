@@ -1,4 +1,5 @@
-"""Arguments the loss ops share: IGNORE_INDEX, and the fused losses' chunk size (one check, one floor).
+"""Arguments the loss ops, the loss modules and apply_kernels share: IGNORE_INDEX, the fused losses' chunk size
+(one check, one floor) and the per-token loss definition (LossOptions, one check).
 
 Pure Python (no torch, no triton), so that the platform (fuseforge_flyte) can import IGNORE_INDEX
 without loading the kernels.
@@ -14,7 +15,11 @@ into None once, where it enters the library (fuseforge_flyte.training.engine).
 
 from __future__ import annotations
 
+import math
 import numbers
+from dataclasses import dataclass
+
+from fuseforge.checks import check_int64, check_positive, check_reduction
 
 # Labels equal to this carry no loss (PyTorch's and transformers' convention).
 IGNORE_INDEX = -100
@@ -46,3 +51,31 @@ def check_chunk_size(chunk_size: object, name: str = "chunk_size") -> int | None
             "tokens per chunk of the fused loss, None for the default"
         )
     return int(chunk_size)
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """The per-token loss definition shared by cross_entropy and fused_linear_cross_entropy."""
+
+    ignore_index: int = IGNORE_INDEX
+    label_smoothing: float = 0.0
+    z_loss_scale: float = 0.0
+    softcap: float | None = None
+
+
+def check_loss_options(ignore_index, reduction, label_smoothing, z_loss_scale, softcap) -> LossOptions:
+    """Validate the loss options once, with errors that name the argument."""
+    check_int64("ignore_index", ignore_index)
+    check_reduction(reduction)
+    try:
+        label_smoothing = float(label_smoothing)
+        z_loss_scale = float(z_loss_scale)
+    except (TypeError, ValueError):
+        raise TypeError("label_smoothing and z_loss_scale must be numbers") from None
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if not (z_loss_scale >= 0.0 and math.isfinite(z_loss_scale)):
+        raise ValueError(f"z_loss_scale must be a finite number >= 0, got {z_loss_scale}")
+    if softcap is not None:
+        softcap = check_positive("softcap", softcap)
+    return LossOptions(ignore_index, label_smoothing, z_loss_scale, softcap)
