@@ -1,4 +1,4 @@
-"""Constructor argument checks shared by the modules (tensor-argument checks live in fuseforge.ops._shared.utils)."""
+"""Constructor argument checks shared by the modules (those the ops share too live in fuseforge.checks)."""
 
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def _round_rows(rows: int) -> int:
     return max(rows, 1)
 
 
-# The floor is MIN_CHUNK_TOKENS (ops/_shared/loss_args.py says why): only vocabularies above 128k
+# The floor is MIN_CHUNK_TOKENS (fuseforge/loss_args.py says why): only vocabularies above 128k
 # (bf16) go past DEFAULT_CHUNK_BYTES because of it (256k: 125 MiB, as Liger-Kernel takes there).
 def default_chunk_tokens(n_vocab: int, element_size: int, hidden_bytes: int = 0) -> int:
     """Tokens per chunk: logits within DEFAULT_CHUNK_BYTES or the size of the hidden states

@@ -1,7 +1,7 @@
-"""Shared launch heuristics and input validation for every op.
+"""Shared launch heuristics and tensor validation for every op.
 
-Validation lives here so that each op rejects bad input with the same kind of
-message (naming the argument) before anything reaches a Triton kernel.
+Validation lives here (scalar arguments: fuseforge.checks) so that each op rejects bad input with the
+same kind of message (naming the argument) before anything reaches a Triton kernel.
 """
 
 from __future__ import annotations
