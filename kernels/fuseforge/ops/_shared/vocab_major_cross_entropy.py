@@ -10,8 +10,9 @@ reduction over BLOCK_V never leaves the thread: 0.62 ms there (gradient pass: 1.
 
 Token-major chunks stay on ops/cross_entropy.py, which was faster for them on the H200.
 Only the tile walk is this module's own: the per-tile math (softmax statistics, gradient),
-the statistics layout and the merge kernel are cross_entropy_tiles.py's, shared with ops/cross_entropy.py,
-so both layouts give the same loss. Loss options (label smoothing, z-loss, softcap, ignore_index) mean the same as there.
+the statistics layout and the merge kernel are cross_entropy_tiles.py's, shared with
+ops/cross_entropy.py, so both layouts give the same loss. Loss options (label smoothing, z-loss,
+softcap, ignore_index) mean the same as there.
 """
 
 from __future__ import annotations

@@ -43,7 +43,6 @@ def _backbone(model: nn.Module):
     return base, head
 
 
-
 def reference_unsupported(trainer) -> str | None:
     """Why the fused preference losses cannot take this trainer's reference (None: they can): they need
     precomputed log-probs or a reference causal LM whose head gives plain logits."""
