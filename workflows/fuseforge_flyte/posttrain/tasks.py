@@ -54,7 +54,7 @@ def prepare_preference_data(dataset: DataSource, fingerprint: str, dataset_confi
 
 def _check_dpo_inputs(**inputs) -> None:
     """Bad settings fail once in the launching process, before any worker (or GPU) starts."""
-    from fuseforge_flyte.training.models import is_known_model, unknown_model_message
+    from fuseforge_flyte.model_names import is_known_model, unknown_model_message
 
     settings = _settings(inputs)
     for name in {settings.model, settings.reference}:

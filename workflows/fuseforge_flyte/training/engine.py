@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from fuseforge_flyte.console import ensure_console_logging
+from fuseforge_flyte.model_names import PRESETS, load_config
 from fuseforge_flyte.quiet import quiet_third_party
 from fuseforge_flyte.training import faults, fp8, lora
 from fuseforge_flyte.training import outputs, permanent, planner, preemption, tracking
@@ -36,7 +37,8 @@ from fuseforge_flyte.training.data import (IGNORE_INDEX, DataPosition, Prefetche
 from fuseforge_flyte.training.distributed import DistContext
 from fuseforge_flyte.training.metrics import (History, device_name, final_loss, peak_memory_gib, perplexity,
                                               reset_peak_memory, summarize)
-from fuseforge_flyte.training.models import PRESETS, build_model, load_config, model_flops, peak_flops
+from fuseforge_flyte.training.models import build_model, model_flops, peak_flops
+from fuseforge_flyte.training.plan import Plan
 from fuseforge_flyte.training.precision import compute_torch_dtype
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 from fuseforge_flyte.training.strategies import Strategy, make_strategy, strategy_class
@@ -167,7 +169,7 @@ class _Run:
                                           after_save=after_checkpoint)
         self.plan = self._plan()
 
-    def _plan(self) -> Optional[planner.Plan]:
+    def _plan(self) -> Optional[Plan]:
         """plan='auto': probe layouts and train with the fastest that fits (training/planner.py).
 
         The global batch stays: the spec's, or after a restart on another world size the checkpoint's.

@@ -77,7 +77,8 @@ def validate_spec(spec) -> None:
     _check_fp8_and_compile(spec)
     _check_data(spec)
     if spec.checkpoint_every > 0 and spec.checkpoints_off:
-        raise ValueError(f"TrainSpec.checkpoint_every > 0 needs checkpoints, but TrainSpec.checkpoint_dir is {spec.checkpoint_dir!r}")
+        raise ValueError(f"TrainSpec.checkpoint_every > 0 needs checkpoints, but TrainSpec.checkpoint_dir is "
+                         f"{spec.checkpoint_dir!r}")
     if spec.offload and spec.strategy != "deepspeed":
         raise ValueError(f"TrainSpec.offload applies to strategy='deepspeed' only, got strategy={spec.strategy!r}")
     if spec.strategy == "fsdp" and spec.dtype == "fp16":
