@@ -64,10 +64,11 @@ def validate_spec(spec) -> None:
         if getattr(spec, name) not in allowed:
             raise ValueError(f"TrainSpec.{name}: {getattr(spec, name)!r} is not one of {list(allowed)}")
     skipped = skipped_kernels(spec)
-    unknown = [name for name in skipped if name not in kernel_switches()] if skipped else []
+    switches = kernel_switches() if skipped else ()
+    unknown = [name for name in skipped if name not in switches]
     if unknown:
         raise ValueError(f"TrainSpec.skip_kernels: unknown kernel {unknown[0]!r}; use names from "
-                         f"{list(kernel_switches())}, separated by commas")
+                         f"{list(switches)}, separated by commas")
     if not spec.model or not is_known_model(spec.model):
         raise ValueError(unknown_model_message(spec.model))
     _check_distillation(spec)
