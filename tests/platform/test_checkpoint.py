@@ -282,7 +282,7 @@ def test_file_outside_the_manifest_is_refused(reference, tmp_path, monkeypatch, 
 
 
 def _config_file(directory, **changes):
-    from fuseforge_flyte.training.models import load_config
+    from fuseforge_flyte.model_names import load_config
 
     config = load_config("tiny-llama")
     for name, value in changes.items():

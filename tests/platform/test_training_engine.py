@@ -7,13 +7,14 @@ import os
 import pytest
 import torch
 
+from fuseforge_flyte.model_names import BYTE_VOCAB_SIZE, PRESETS
 from fuseforge_flyte.training import cli
-from fuseforge_flyte.training.data import (BYTE_VOCAB_SIZE, DataPosition, ShardedBatches, SyntheticTokens,
-                                           benchmark_dataset, bytes_corpus_path, decode, encode)
+from fuseforge_flyte.training.data import (DataPosition, ShardedBatches, SyntheticTokens, benchmark_dataset,
+                                           bytes_corpus_path, decode, encode)
 from fuseforge_flyte.training.engine import NonFiniteLossError, train
 from fuseforge_flyte.training.faults import NONFINITE_ENV
 from fuseforge_flyte.training.metrics import History, summarize
-from fuseforge_flyte.training.models import PEAK_TFLOPS_ENV, PRESETS, build_model, model_flops, peak_flops
+from fuseforge_flyte.training.models import PEAK_TFLOPS_ENV, build_model, model_flops, peak_flops
 from fuseforge_flyte.training.spec import TrainSpec
 from fuseforge_flyte.training.strategies import deepspeed_config
 
@@ -82,9 +83,11 @@ def test_skip_kernels_leaves_those_kernels_out():
 
 def test_kernel_switches_are_apply_kernels_flags():
     from fuseforge.transformers import DEFAULT_FLAGS
-    from fuseforge_flyte.training.validation import KERNEL_SWITCHES
+    from fuseforge_flyte.training.validation import kernel_switches
 
-    assert set(KERNEL_SWITCHES) == set(DEFAULT_FLAGS) - {"cross_entropy"}
+    assert set(kernel_switches()) == set(DEFAULT_FLAGS) - {"cross_entropy"}
+    # in the order TrainSpec.skip_kernels' help and the unknown-kernel message list them
+    assert kernel_switches() == ("rms_norm", "layer_norm", "rope", "swiglu", "fused_linear_cross_entropy", "lora")
 
 
 def test_loss_chunk_size_reaches_apply_kernels_and_trains_the_same(monkeypatch):

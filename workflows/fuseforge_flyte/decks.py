@@ -129,7 +129,7 @@ def plan_html(plan_json: str) -> str:
     """The planner's probes (one row each: layout, peak memory, tokens/s, verdict) and its choice; "" without."""
     if not plan_json:
         return ""
-    from fuseforge_flyte.training.planner import Plan
+    from fuseforge_flyte.training.plan import Plan
 
     plan = Plan.from_json(plan_json)
     rows = []

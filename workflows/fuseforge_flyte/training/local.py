@@ -14,11 +14,11 @@ from typing import Any, Callable, Dict, Optional, TypeVar
 
 import torch
 
+from fuseforge_flyte.environ import environment
 from fuseforge_flyte.training import permanent
 from fuseforge_flyte.training.checkpoint import check_resume_settings
 from fuseforge_flyte.training.distributed import SHARED_STORE_ENV
 from fuseforge_flyte.training.engine import train
-from fuseforge_flyte.training.environ import environment
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 
 T = TypeVar("T")

@@ -13,12 +13,11 @@ import dataclasses
 import importlib
 import importlib.util
 import logging
-import re
 import sys
-import time
 from typing import Any, Dict, Mapping, Optional
 
 from fuseforge_flyte.config import PlatformConfig, get_config
+from fuseforge_flyte.training.outputs import default_run_name
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 
 log = logging.getLogger("fuseforge.training")
@@ -112,12 +111,6 @@ def _require(backend: str, source: str) -> None:
         f"pip install {package} (on the cluster add {package!r} to [image].extra_packages), "
         f'or turn tracking off with backend = ""'
     )
-
-
-def default_run_name(model: str) -> str:
-    """<last part of the model name>-<UTC time>: readable and distinct per run."""
-    tail = re.sub(r"[^\w.-]+", "-", model.rstrip("/").rsplit("/", 1)[-1]).strip("-") or "run"
-    return f"{tail}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
 
 
 def start(spec: TrainSpec, is_main: bool, config: Optional[PlatformConfig] = None) -> Tracker:
