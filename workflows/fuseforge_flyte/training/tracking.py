@@ -1,8 +1,8 @@
 """Optional experiment tracking: rank 0 sends the metrics the engine logs to TensorBoard or Weights & Biases.
 
-Configured in platform.toml's [tracking] table (off by default), which whoever runs the engine reads and hands
-in as TrackingSettings (the engine itself never reads the platform config). What is logged is what the progress lines
-print (train/loss, train/lr, train/tokens_per_s, train/step_time_s, train/data_wait_fraction,
+Configured in platform.toml's [tracking] table (off by default), which whoever runs the engine reads and
+hands in as TrackingSettings: the engine itself never reads the platform config. What is logged is what the
+progress lines print (train/loss, train/lr, train/tokens_per_s, train/step_time_s, train/data_wait_fraction,
 train/peak_memory_gib) at the same steps, eval/loss and eval/perplexity after each eval, and the run's summary
 at the end. The backend's library is looked up when the run starts, on every rank, so a missing one fails
 before any data is opened or model built rather than in a step (and is not retried: ImportError is permanent).
