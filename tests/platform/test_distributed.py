@@ -105,10 +105,10 @@ def _count_attempts(monkeypatch, tmp_path):
 
     log = tmp_path / "attempts.txt"
 
-    def counted(spec):
+    def counted(spec, **options):
         with open(log, "a") as handle:
             handle.write(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "\n")
-        return train(spec)
+        return train(spec, **options)
 
     monkeypatch.setattr(local, "train", counted)
     forking.required()

@@ -155,7 +155,9 @@ def _train_on_worker(spec: TrainSpec) -> TrainOutput:
     if not spec.output_dir:  # on a cluster: a scratch directory that flytekit uploads as the model
         spec = dataclasses.replace(spec, output_dir=tempfile.mkdtemp(prefix="fuseforge-model-"))
     try:
-        metrics = train(spec, after_checkpoint=flyte_checkpoint.worker_hook())
+        # [tracking] as the task was registered with (in a pod, the config in its environment)
+        metrics = train(spec, after_checkpoint=flyte_checkpoint.worker_hook(),
+                        tracking_settings=get_config().tracking_settings())
     except Preempted as err:  # SIGTERM: checkpointed; Flyte retries the task and it resumes there
         raise FlyteRecoverableException(str(err)) from err
     return TrainOutput(metrics=metrics, model=returned_directory(outputs.model_dir(spec.output_dir)))

@@ -103,7 +103,7 @@ def dpo_train(data: FlyteDirectory, model: str, reference_model: str, tokenizer:
                                     dataset_name="preferences")
     metrics.output_dir = output_dir if run_outputs.is_local_run() else ""
     if int(os.environ.get("RANK", "0")) == 0:
-        from fuseforge_flyte.decks import preference_deck_html
+        from fuseforge_flyte.posttrain.decks import preference_deck_html
 
         outputs.write_run_record(output_dir, metrics, settings)
         Deck("Preference metrics", preference_deck_html(preference))

@@ -423,11 +423,13 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def train(spec: TrainSpec, *, after_checkpoint: Optional[Callable[[str], None]] = None) -> TrainMetrics:
+def train(spec: TrainSpec, *, after_checkpoint: Optional[Callable[[str], None]] = None,
+          tracking_settings: Optional[tracking.TrackingSettings] = None) -> TrainMetrics:
     """Run `spec` in this worker process and return the metrics (identical on every rank).
 
     after_checkpoint: called on rank 0 with the checkpoint directory after each completed save (the Flyte
     task uploads it to its own checkpoint this way; see fuseforge_flyte.flyte_checkpoint).
+    tracking_settings: platform.toml's [tracking] (PlatformConfig.tracking_settings()); None: no tracking.
 
     On SIGTERM (an eviction) every rank finishes the step, checkpoints it and raises
     `preemption.Preempted` (step, checkpoint, metrics): a retriable failure whose restart redoes nothing.
@@ -440,7 +442,7 @@ def train(spec: TrainSpec, *, after_checkpoint: Optional[Callable[[str], None]] 
     try:
         if ctx.device.type == "cpu" and spec.dtype != "fp32" and ctx.is_main:
             log.info("CPU run: training in fp32 (dtype=%r applies on GPU)", spec.dtype)
-        tracker = tracking.start(spec, ctx.is_main)  # [tracking] of platform.toml; a missing library fails here
+        tracker = tracking.start(spec, ctx.is_main, tracking_settings)  # a missing library fails here
         run = _Run(spec, ctx, tracker, after_checkpoint)
         with preemption.sigterm_handler():  # SIGTERM: finish the step, checkpoint, raise Preempted
             steps_redone = run.resume()
