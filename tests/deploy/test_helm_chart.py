@@ -388,7 +388,7 @@ def assert_key_mounted(template: dict, values: dict, secret_name: str) -> None:
     key_file = f"{ck['mountPath']}/key"
     assert env["FUSEFORGE_CHECKPOINT_KEY_FILE"] == key_file
     assert env["FUSEFORGE_CHECKPOINT_REQUIRE_KEY"] == "1"  # a local copy of bucket data is verified too
-    assert "FUSEFORGE_CHECKPOINT_KEY" not in env  # checkpoint_signing.configured_key refuses both at once
+    assert "FUSEFORGE_CHECKPOINT_KEY" not in env  # checkpoint.signing.configured_key refuses both at once
     assert mount == {"name": volume["name"], "mountPath": ck["mountPath"], "readOnly": True}
     # Only the Secret's one key, as the file the environment names; readable by the pod's fsGroup only.
     assert volume["secret"] == {

@@ -119,12 +119,18 @@ def test_gradient_checkpointing_recomputes_the_same_numbers():
 
 
 def test_warmup_cosine_schedule():
-    from fuseforge_flyte.training.optim import MIN_LR_RATIO, WarmupCosine
+    from fuseforge_flyte.training.optim import MIN_LR_RATIO, scheduler
 
-    f = WarmupCosine(warmup=4, total=20)
-    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert f(4) == 1.0 and f(12) == pytest.approx((1 + MIN_LR_RATIO) / 2) and f(20) == pytest.approx(MIN_LR_RATIO)
-    assert all(f(s) >= f(s + 1) for s in range(4, 25))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = scheduler(optimizer, warmup=4, total=20)
+    f = []  # the lr multiplier each step trains with
+    for _ in range(21):
+        f.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    assert f[:4] == [0.0, 0.25, 0.5, 0.75]
+    assert f[4] == 1.0 and f[12] == pytest.approx((1 + MIN_LR_RATIO) / 2) and f[20] == pytest.approx(MIN_LR_RATIO)
+    assert all(f[s] >= f[s + 1] for s in range(4, 20))
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e3], ids=["clipped", "under-the-norm"])
