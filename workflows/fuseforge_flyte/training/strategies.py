@@ -2,7 +2,7 @@
 
 Each strategy wraps the model, owns the optimizer and LR schedule, runs one
 micro-batch forward/backward, applies the optimizer step, saves/loads its own
-training state (see checkpoint.py for the format choice per strategy), and gathers
+training state (checkpoint/manager.py says which format each strategy writes), and gathers
 the full fp32 weights under their plain transformers names for export (export.py).
 
 Precision: on GPU, DDP holds bf16 weights with fp32 master copies (precision.py; fp16 keeps fp32 weights
