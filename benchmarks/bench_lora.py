@@ -130,9 +130,9 @@ def worker(args) -> dict:
     opt = torch.optim.AdamW(params, lr=1e-4, fused=device == "cuda")
     vocab = model.config.vocab_size
     probes = []
-    for ckpt in (False, True):
-        if ckpt:  # only where a batch ran out of memory without it, from that batch on
-            if not any(p.get("oom") for p in probes):
+    for ckpt in (False, True) if args.checkpointing == "search" else (True,):
+        if ckpt:  # searching: only where a batch ran out of memory without it, from that batch on
+            if args.checkpointing == "search" and not any(p.get("oom") for p in probes):
                 break
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         fitted = max((p["batch"] for p in probes if p.get("oom") is False), default=0)
@@ -143,11 +143,16 @@ def worker(args) -> dict:
             if device == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
+                allocated_before = torch.cuda.memory_allocated() / 2**30
             try:
                 times, loss = step_times(model, opt, batch, args.seq, vocab, args.warmup + args.steps, device)
             except torch.OutOfMemoryError:
                 opt.zero_grad(set_to_none=True)
                 probes.append({"batch": batch, "ckpt": ckpt, "oom": True})
+                if device == "cuda":  # what the failed step left allocated (the model and optimizer state included)
+                    torch.cuda.empty_cache()
+                    probes[-1]["allocated_after_gib"] = torch.cuda.memory_allocated() / 2**30
+                    probes[-1]["allocated_before_gib"] = allocated_before
                 print("PROBE " + json.dumps(probes[-1]), flush=True)
                 break
             measured = sorted(times[args.warmup:])
@@ -174,7 +179,8 @@ def best_of(probes: list[dict]) -> dict | None:
 def run_variant(args, variant: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--variant", variant, "--preset", args.preset,
            "--seq", str(args.seq), "--rank", str(args.rank), "--steps", str(args.steps), "--warmup",
-           str(args.warmup), "--budget-s", str(args.budget_s), "--batches", *map(str, args.batches)]
+           str(args.warmup), "--budget-s", str(args.budget_s), "--checkpointing", args.checkpointing,
+           "--batches", *map(str, args.batches)]
     cmd += ["--smoke"] if args.smoke else []
     cmd += ["--profile"] if args.profile else []
     try:
@@ -224,6 +230,8 @@ def table(results: list[dict], args) -> str:
         cells = []
         for p in r.get("probes", []):
             what = "OOM" if p.get("oom") else p.get("skipped") or f"{p['tokens_per_s']:.0f} tok/s, {p['peak_gib']:.1f}"
+            if "allocated_after_gib" in p:  # an out-of-memory step that left memory behind says how much
+                what += f" (allocated {p['allocated_before_gib']:.1f} -> {p['allocated_after_gib']:.1f} GiB)"
             cells.append(f"{p['batch']}{'+ckpt' if p['ckpt'] else ''}: {what}")
         lines.append(f"- {r['variant']}: " + ("; ".join(cells) or r.get("error", "")))
     return "\n".join(lines)
@@ -243,6 +251,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=40.0,
                    help="probing time per variant after the model is built (a started probe finishes)")
     p.add_argument("--timeout", type=int, default=90, help="seconds per variant's process (its probes so far count)")
+    p.add_argument("--checkpointing", choices=("search", "on"), default="search",
+                   help="search: without activation checkpointing until a batch runs out of memory, then with it; "
+                        "on: every batch with it (a fresh process, no earlier out-of-memory step)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, Triton interpreter: the script end to end")
     p.add_argument("--profile", action="store_true",
                    help="after the search, profile 2 steps of each variant's best layout (top GPU kernels)")

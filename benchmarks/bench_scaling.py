@@ -214,7 +214,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, default=torch.cuda.device_count(), help="N (default: every visible GPU)")
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     p.add_argument("--strategies", nargs="+", choices=list(STRATEGIES), default=list(STRATEGIES))
-    p.add_argument("--model", default="llama-1b", help="a preset of fuseforge_flyte.training.models")
+    p.add_argument("--model", default="llama-1b", help="a preset of fuseforge_flyte.model_names")
     p.add_argument("--dataset", default="bench:synthetic")
     p.add_argument("--batch", type=int, default=4, help="sequences per GPU per step")
     p.add_argument("--seq", type=int, default=2048)

@@ -67,7 +67,7 @@ def load_model(name: str, vocab_size: int, bf16: bool):
     if name == "tiny-llama":
         config = transformers.LlamaConfig(**TINY_LLAMA, vocab_size=vocab_size)
         return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-    from fuseforge_flyte.training.models import PRESETS, load_config
+    from fuseforge_flyte.model_names import PRESETS, load_config
 
     if name in PRESETS:  # a public model's shape with random weights (benchmarks), its own vocabulary
         config = load_config(name)

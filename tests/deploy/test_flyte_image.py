@@ -23,19 +23,17 @@ from fuseforge_flyte.cli import main, pyflyte_command, requirements_txt
 from fuseforge_flyte.config import load_config
 from fuseforge_flyte.image import (
     IMAGE_CHECK_ENV,
-    IMAGE_UID,
     LOCKED_INSTALL_ARGS,
-    STAGED_SOURCE_DIR,
     UID_CHECK_COMMAND,
     FuseforgeImageBuilder,
-    ImageBuildError,
     registration_command,
-    registry_has_image,
     render_docker_context,
     torch_install_command,
     training_image,
 )
+from fuseforge_flyte.image_build import IMAGE_UID, STAGED_SOURCE_DIR, ImageBuildError
 from fuseforge_flyte.image_lock import parse_lock, requirement_lines as lock_lines
+from fuseforge_flyte.registry import registry_has_image
 
 REPO = Path(__file__).resolve().parents[2]
 

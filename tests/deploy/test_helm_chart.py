@@ -388,7 +388,7 @@ def assert_key_mounted(template: dict, values: dict, secret_name: str) -> None:
     key_file = f"{ck['mountPath']}/key"
     assert env["FUSEFORGE_CHECKPOINT_KEY_FILE"] == key_file
     assert env["FUSEFORGE_CHECKPOINT_REQUIRE_KEY"] == "1"  # a local copy of bucket data is verified too
-    assert "FUSEFORGE_CHECKPOINT_KEY" not in env  # checkpoint_signing.configured_key refuses both at once
+    assert "FUSEFORGE_CHECKPOINT_KEY" not in env  # checkpoint.signing.configured_key refuses both at once
     assert mount == {"name": volume["name"], "mountPath": ck["mountPath"], "readOnly": True}
     # Only the Secret's one key, as the file the environment names; readable by the pod's fsGroup only.
     assert volume["secret"] == {
@@ -640,7 +640,7 @@ def test_task_pods_pass_the_restricted_pod_security_level(rendered):
 
 def test_image_user_matches_the_pod_security_context():
     """The uid the pods run as is the uid images/Dockerfile and the ImageSpec give the user flytekit."""
-    from fuseforge_flyte.image import IMAGE_UID
+    from fuseforge_flyte.image_build import IMAGE_UID
 
     values = platform_values()
     assert values["podSecurityContext"]["runAsUser"] == values["podSecurityContext"]["runAsGroup"] == IMAGE_UID

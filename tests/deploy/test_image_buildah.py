@@ -37,16 +37,9 @@ from fuseforge_flyte.buildah import (
     render_buildah_context,
 )
 from fuseforge_flyte.config import load_config
-from fuseforge_flyte.image import (
-    IMAGE_UID,
-    STAGED_SOURCE_DIR,
-    UID_CHECK_COMMAND,
-    FuseforgeImageBuilder,
-    ImageBuildError,
-    _split_image,
-    registry_has_image,
-    training_image,
-)
+from fuseforge_flyte.image import UID_CHECK_COMMAND, FuseforgeImageBuilder, training_image
+from fuseforge_flyte.image_build import IMAGE_UID, STAGED_SOURCE_DIR, ImageBuildError
+from fuseforge_flyte.registry import registry_has_image, split_image_name
 from local_index import serve_index, wheel_from_installed, write_wheel
 from oci_pull import pull, unpack
 
@@ -350,7 +343,7 @@ def test_registration_builds_a_missing_image_with_buildah_and_the_image_runs_fus
     monkeypatch.setenv("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
 
     # What the image holds: pulled back over HTTP, unpacked, run under chroot as the image says.
-    host, repository, tag = _split_image(name)
+    host, repository, tag = split_image_name(name)
     manifest, config, layers = pull(host, repository, tag)
     rootfs = tmp_path / "rootfs"
     try:

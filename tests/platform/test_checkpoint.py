@@ -233,7 +233,7 @@ def _rehash(checkpoint, *, sign=False, unsigned=False):
     if sign or unsigned:
         marker = {k: v for k, v in marker.items() if k not in ("hmac", "key_id")}
     if sign:
-        from fuseforge_flyte.training.checkpoint_signing import Signing
+        from fuseforge_flyte.training.checkpoint.signing import Signing
 
         marker = Signing(str(checkpoint), allow_unsigned=False, log_it=False).sign(marker)
     (checkpoint / MARKER).write_text(json.dumps(marker))
@@ -282,7 +282,7 @@ def test_file_outside_the_manifest_is_refused(reference, tmp_path, monkeypatch, 
 
 
 def _config_file(directory, **changes):
-    from fuseforge_flyte.training.models import load_config
+    from fuseforge_flyte.model_names import load_config
 
     config = load_config("tiny-llama")
     for name, value in changes.items():
@@ -330,15 +330,143 @@ def test_changed_run_settings_are_refused_naming_each_unless_allowed(tmp_path, m
 
 def test_continued_training_with_allowed_changes_uses_the_new_schedule(tmp_path):
     """lr and steps allowed to change: the restored optimizer and schedule take them (their state holds the old)."""
-    from fuseforge_flyte.training.optim import WarmupCosine
+    from fuseforge_flyte.training.optim import MIN_LR_RATIO
 
     train(_spec(tmp_path, steps=4, checkpoint_every=0))
     more = train(_spec(tmp_path, steps=8, lr=1e-3, checkpoint_every=0, resume_allow_changes="steps,lr"))
     assert more.resumed_from_step == 4 and more.steps == 8 and len(more.loss_curve) == 8
     scheduler = torch.load(tmp_path / "step_00000008" / "scheduler.pt", weights_only=True)
     assert scheduler["base_lrs"] == [1e-3, 1e-3]
-    assert scheduler["lr_lambdas"][0] == {"warmup": 2, "total": 8}
-    assert scheduler["_last_lr"][0] == pytest.approx(1e-3 * WarmupCosine(2, 8)(8))
+    assert scheduler["lr_lambdas"] == [{}, {}]  # the schedule's shape is rebuilt from the run's settings
+    assert scheduler["_last_lr"][0] == pytest.approx(1e-3 * MIN_LR_RATIO)
+
+
+def _schedule_run(lr, weight_decay, warmup, steps, trained=0):
+    """A tiny model's optimizer and LR schedule as the strategies build them (training/optim.py), `trained` steps in."""
+    from types import SimpleNamespace
+
+    from fuseforge_flyte.training import optim
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    optimizer = optim.adamw(optim.param_groups(model.named_parameters(), weight_decay), lr)
+    run = SimpleNamespace(model=model, optimizer=optimizer, scheduler=optim.scheduler(optimizer, warmup, steps))
+    for _ in range(trained):
+        _schedule_step(run)
+    return run
+
+
+def _schedule_step(run):
+    run.model(torch.ones(2, 4)).square().sum().backward()
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad()
+
+
+def _lrs(run):
+    return [group["lr"] for group in run.optimizer.param_groups]
+
+
+def _restore(run, optimizer_state, scheduler_state, settings, changed):
+    """What CheckpointManager does around a strategy's load: Retarget made before, applied after."""
+    from fuseforge_flyte.training.checkpoint.schedule import Retarget
+
+    retarget = Retarget(run, settings, changed)
+    run.optimizer.load_state_dict(optimizer_state)
+    run.scheduler.load_state_dict(scheduler_state)
+    retarget.apply()
+
+
+@pytest.mark.parametrize("saved_weight_decay", [0.0, 0.05], ids=["decay-added", "decay-changed"])
+def test_allowed_schedule_changes_retarget_the_restored_optimizer_and_schedule(saved_weight_decay):
+    """lr, weight_decay, warmup_steps and steps changed on resume: from the resumed step on, the lrs and weight
+    decay are those of a run that had the new settings from the start; the optimizer's moments are kept."""
+    saved = _schedule_run(lr=3e-3, weight_decay=saved_weight_decay, warmup=2, steps=8, trained=5)
+    resumed = _schedule_run(lr=1e-3, weight_decay=0.1, warmup=3, steps=20)
+    wanted = _schedule_run(lr=1e-3, weight_decay=0.1, warmup=3, steps=20, trained=5)
+    settings = {"lr": 1e-3, "weight_decay": 0.1, "warmup_steps": 3, "steps": 20}
+    _restore(resumed, saved.optimizer.state_dict(), saved.scheduler.state_dict(), settings,
+             ("lr", "steps", "warmup_steps", "weight_decay"))
+    assert _lrs(resumed) == pytest.approx(_lrs(wanted)) and _lrs(resumed) != pytest.approx(_lrs(saved))
+    assert resumed.scheduler.get_last_lr() == pytest.approx(wanted.scheduler.get_last_lr())
+    assert resumed.scheduler.state_dict()["base_lrs"] == [1e-3, 1e-3]
+    assert [(g["weight_decay"], g["initial_lr"]) for g in resumed.optimizer.param_groups] == [(0.1, 1e-3), (0.0, 1e-3)]
+    for mine, theirs in zip(resumed.optimizer.state.values(), saved.optimizer.state.values()):
+        torch.testing.assert_close(mine["exp_avg"], theirs["exp_avg"], rtol=0, atol=0)
+    for _ in range(6):
+        _schedule_step(resumed)
+        _schedule_step(wanted)
+        assert _lrs(resumed) == pytest.approx(_lrs(wanted))
+
+
+def _former_warmup_cosine(step, warmup, total):
+    """fuseforge's own LR multiplier before transformers' schedule replaced it (as checkpoints of then hold it)."""
+    import math
+
+    from fuseforge_flyte.training.optim import MIN_LR_RATIO
+
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return MIN_LR_RATIO + (1.0 - MIN_LR_RATIO) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _former_schedule_state(run, lr, warmup, total):
+    """`run`'s optimizer and scheduler state dicts as the former schedule wrote them: LambdaLR saved its callable
+    WarmupCosine's warmup and total, and the lrs were that schedule's."""
+    step = run.scheduler.last_epoch
+    former = [lr * _former_warmup_cosine(step, warmup, total)] * len(run.optimizer.param_groups)
+    scheduler_state = dict(run.scheduler.state_dict(), _last_lr=former,
+                           lr_lambdas=[{"warmup": warmup, "total": total}] * len(former))
+    optimizer_state = run.optimizer.state_dict()
+    for group, value in zip(optimizer_state["param_groups"], former):
+        group["lr"] = value
+    return optimizer_state, scheduler_state
+
+
+@pytest.mark.parametrize("changed", [(), ("steps",)], ids=["same-settings", "steps-changed"])
+def test_a_checkpoint_of_the_former_schedule_continues_on_the_new_one(changed):
+    """A checkpoint written with WarmupCosine (its scheduler state names warmup and total), resumed during the
+    warmup where the two schedules differ: from the resumed step on, the lrs are the new schedule's."""
+    steps = 12 if changed else 8
+    saved = _schedule_run(lr=3e-3, weight_decay=0.1, warmup=4, steps=8, trained=2)
+    optimizer_state, scheduler_state = _former_schedule_state(saved, 3e-3, warmup=4, total=8)
+    resumed = _schedule_run(lr=3e-3, weight_decay=0.1, warmup=4, steps=steps)
+    wanted = _schedule_run(lr=3e-3, weight_decay=0.1, warmup=4, steps=steps, trained=2)
+    assert _lrs(wanted) != pytest.approx(optimizer_state["param_groups"][0]["lr"])  # the schedules differ here
+    _restore(resumed, optimizer_state, scheduler_state,
+             {"lr": 3e-3, "weight_decay": 0.1, "warmup_steps": 4, "steps": steps}, changed)
+    assert _lrs(resumed) == pytest.approx(_lrs(wanted))
+    assert resumed.scheduler.get_last_lr() == pytest.approx(wanted.scheduler.get_last_lr())
+    for _ in range(steps - 2):
+        _schedule_step(resumed)
+        _schedule_step(wanted)
+        assert _lrs(resumed) == pytest.approx(_lrs(wanted))
+
+
+def test_a_run_resumed_from_a_former_schedule_checkpoint_trains_on_the_new_schedule(tmp_path, monkeypatch, caplog):
+    """End to end: the step-2 checkpoint (in the warmup) rewritten as the former schedule wrote it, and signed:
+    the resumed run reproduces an uninterrupted run on the new schedule."""
+    spec = _spec(tmp_path / "resumed", warmup_steps=4)
+    uninterrupted = train(_spec(tmp_path / "uninterrupted", warmup_steps=4))
+    _interrupt(monkeypatch, spec, 3)
+    checkpoint = tmp_path / "resumed" / "step_00000002"
+    for name in ("step_00000004", "step_00000006", "step_00000008"):
+        assert not (tmp_path / "resumed" / name).exists()
+    scheduler_state = torch.load(checkpoint / "scheduler.pt", weights_only=True)
+    optimizer_state = torch.load(checkpoint / "optimizer.pt", weights_only=True)
+    former = [3e-3 * _former_warmup_cosine(2, 4, STEPS)] * len(scheduler_state["base_lrs"])
+    scheduler_state.update(_last_lr=former, lr_lambdas=[{"warmup": 4, "total": STEPS}] * len(former))
+    for group, value in zip(optimizer_state["param_groups"], former):
+        group["lr"] = value
+    torch.save(scheduler_state, checkpoint / "scheduler.pt")
+    torch.save(optimizer_state, checkpoint / "optimizer.pt")
+    _rehash(checkpoint, sign=True)
+    with caplog.at_level(logging.INFO, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert resumed.resumed_from_step == 2
+    assert resumed.loss_curve == uninterrupted.loss_curve
+    assert _warned(caplog, "former LR schedule")
 
 
 def test_steps_below_the_checkpoint_is_a_clear_error(tmp_path, monkeypatch):
@@ -599,7 +727,7 @@ def test_damaged_fsdp_checkpoint_falls_back_to_the_previous_one(fsdp_reference, 
 
 
 def test_save_is_refused_before_writing_when_the_disk_is_too_full(tmp_path, monkeypatch):
-    from fuseforge_flyte.training import checkpoint
+    from fuseforge_flyte.training.checkpoint import manager
 
     calls = []
 
@@ -607,7 +735,7 @@ def test_save_is_refused_before_writing_when_the_disk_is_too_full(tmp_path, monk
         calls.append(path)
         return (10**12 if len(calls) == 1 else 1000), 10**12
 
-    monkeypatch.setattr(checkpoint, "_free_bytes", free_bytes, raising=False)
+    monkeypatch.setattr(manager, "free_bytes", free_bytes, raising=False)
     with pytest.raises(CheckpointError, match=r"not enough free space for checkpoint step_00000004 .*: 1000 bytes "
                                               r"free of 931.32 GiB, and a checkpoint takes about .* MiB \(the size "
                                               r"of the last one\).*keep_last=3 holds 4 checkpoints"):
@@ -750,7 +878,7 @@ def test_default_checkpoint_location_survives_preemption_across_attempts(referen
     from flytekit.core.checkpointer import SyncCheckpoint
 
     from fuseforge_flyte.flyte_checkpoint import MIRROR_ENV, restore_previous, worker_hook
-    from fuseforge_flyte.training.checkpoint_signing import REQUIRE_KEY_ENV
+    from fuseforge_flyte.training.checkpoint.signing import REQUIRE_KEY_ENV
     from fuseforge_flyte.training.preemption import SIGNAL_ENV, Preempted
 
     monkeypatch.setenv(KEY_ENV, KEY)

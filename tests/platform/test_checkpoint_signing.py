@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fuseforge_flyte.training.checkpoint_signing import (KEY_ENV, KEY_FILE_ENV, REQUIRE_KEY_ENV, Signing,
+from fuseforge_flyte.training.checkpoint.signing import (KEY_ENV, KEY_FILE_ENV, REQUIRE_KEY_ENV, Signing,
                                                           SigningError, user_key_path)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +49,7 @@ def test_the_per_user_key_is_made_once_private_and_logged(no_key, caplog):
 
 def test_concurrent_ranks_end_up_with_one_key(no_key):
     """Ranks of one host start together: exactly one key may win, and nobody reads a half-written one."""
-    code = ("from fuseforge_flyte.training.checkpoint_signing import Signing; "
+    code = ("from fuseforge_flyte.training.checkpoint.signing import Signing; "
             "print(Signing('/ckpt', allow_unsigned=False, log_it=False).key.key_id)")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "kernels"), str(ROOT / "workflows")]))
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,

@@ -45,7 +45,7 @@ def test_repo_platform_toml_is_valid_and_equals_builtin_defaults(tmp_path, monke
     builtin = load_config(env={})
     assert builtin.source == "built-in defaults"
     assert isinstance(from_file, PlatformConfig)
-    assert from_file == builtin, "platform.toml and the built-in defaults in config.py have drifted apart"
+    assert from_file == builtin, "platform.toml and the built-in defaults in fuseforge_flyte/config have drifted apart"
     assert from_file.source.endswith("platform.toml")
 
 

@@ -4,6 +4,7 @@ Offline: the shipped builtin:tiny-bpe tokenizer, tiny datasets written into tmp_
 tiny Llama for the packing equivalence.
 """
 
+import dataclasses
 import json
 import os
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fuseforge_flyte.data.checks import check_fits_model
+from fuseforge_flyte.data.checks import DataNumbers, check_fits_model, load_model_config
 from fuseforge_flyte.data.formats import IGNORE_INDEX
 from fuseforge_flyte.data.packing import best_fit_decreasing
 from fuseforge_flyte.data.prepare import prepare
@@ -330,12 +331,13 @@ def test_bad_inputs_name_the_problem(tmp_path, tokenizer_variants):
 
 
 def test_check_fits_model_presets_and_manifests(tmp_path):
-    numbers = {"vocab_size": 5000, "max_token_id": 4999, "seq_len": 64}
-    check_fits_model(numbers, "tiny-llama")  # a preset's vocabulary follows the data
+    numbers = DataNumbers(vocab_size=5000, max_token_id=4999, seq_len=64)
+    preset = load_model_config("tiny-llama")
+    check_fits_model(numbers, preset, preset=True)  # a preset's vocabulary follows the data
     with pytest.raises(ValueError, match="max_position_embeddings 4096"):
-        check_fits_model(dict(numbers, seq_len=5000), "tiny-llama")
+        check_fits_model(dataclasses.replace(numbers, seq_len=5000), preset, preset=True)
     with pytest.raises(ValueError, match="vocab_size is 100"):
-        check_fits_model(numbers, _model_dir(tmp_path, 100, 256))
+        check_fits_model(numbers, load_model_config(_model_dir(tmp_path, 100, 256)))
 
 
 def test_read_manifest_errors(tmp_path):

@@ -11,6 +11,7 @@ inference all-reduce, so these tests replace its builder with "not available"
 (gloo does all the collectives). Set FUSEFORGE_TEST_DS_SHM=1 to build it instead.
 """
 
+import logging
 import math
 import os
 
@@ -105,10 +106,10 @@ def _count_attempts(monkeypatch, tmp_path):
 
     log = tmp_path / "attempts.txt"
 
-    def counted(spec):
+    def counted(spec, **options):
         with open(log, "a") as handle:
             handle.write(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "\n")
-        return train(spec)
+        return train(spec, **options)
 
     monkeypatch.setattr(local, "train", counted)
     forking.required()
@@ -206,6 +207,31 @@ def test_deepspeed_checkpoint_resume(deepspeed_on_cpu, tmp_path, monkeypatch, ze
     resumed = train(spec)
     assert resumed.resumed_from_step == 2 and resumed.steps_redone == 1
     assert resumed.loss_curve == uninterrupted.loss_curve
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_deepspeed_resume_with_allowed_schedule_changes(deepspeed_on_cpu, tmp_path, caplog, zero_stage):
+    """lr, weight_decay and steps changed on resume under ZeRO (whose optimizer state ZeRO-3 keeps outside the
+    optimizer's param_groups): the resumed steps train at the new schedule's lr."""
+    import re
+
+    from fuseforge_flyte.training.optim import scheduler
+
+    base = dict(strategy="deepspeed", zero_stage=zero_stage, checkpoint_dir=str(tmp_path), checkpoint_every=0,
+                warmup_steps=2)
+    train(_spec(steps=4, lr=3e-3, weight_decay=0.0, **base))
+    with caplog.at_level(logging.INFO, logger="fuseforge.training"):
+        resumed = train(_spec(steps=8, lr=1e-3, weight_decay=0.1, resume_allow_changes="steps,lr,weight_decay", **base))
+    assert resumed.resumed_from_step == 4
+    logged = {int(m.group(1)): float(m.group(2)) for record in caplog.records
+              for m in [re.search(r"step (\d+)/8 loss \S+ lr (\S+)", record.getMessage())] if m}
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    schedule, wanted = scheduler(optimizer, 2, 8), {}
+    for step in range(1, 9):
+        optimizer.step()
+        schedule.step()
+        wanted[step] = schedule.get_last_lr()[0]  # the lr the engine logs after step `step`
+    assert [logged[step] for step in range(5, 9)] == pytest.approx([wanted[step] for step in range(5, 9)], rel=1e-2)
 
 
 def test_zero3_in_process_leaves_torch_linear_as_it_was(deepspeed_on_cpu):

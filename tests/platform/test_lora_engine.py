@@ -14,7 +14,7 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from fuseforge_flyte import run_outputs  # noqa: E402
+from fuseforge_flyte.training import outputs  # noqa: E402
 from fuseforge_flyte.training.engine import train  # noqa: E402
 from fuseforge_flyte.training.faults import FAULT_ENV, InjectedFault  # noqa: E402
 from fuseforge_flyte.training.local import run_local  # noqa: E402
@@ -141,7 +141,7 @@ def test_fsdp_checkpoint_holds_adapters_and_an_elastic_restart_resumes_from_it(r
     # the adapter gathered from the shards: PEFT's format, every adapter tensor of the model
     from safetensors.torch import load_file
 
-    saved = load_file(run_outputs.model_dir(str(tmp_path / "adapter")) + "/adapter_model.safetensors")
+    saved = load_file(outputs.model_dir(str(tmp_path / "adapter")) + "/adapter_model.safetensors")
     assert len(saved) == 2 * 7 * 2 and all("lora_" in k for k in saved), sorted(saved)[:4]
 
 
@@ -150,11 +150,11 @@ def test_fsdp_checkpoint_holds_adapters_and_an_elastic_restart_resumes_from_it(r
 def _fsdp_bf16_worker():
     """FSDP2 with LoRA in bf16 (forced: CPU runs are fp32): frozen weights stored in bf16, the adapters in fp32,
     all-gathered as bf16 and reduced in fp32; the optimizer and gradients cover the adapters only."""
-    from fuseforge_flyte.training import lora, strategies
+    from fuseforge_flyte.training import lora, precision, strategies
     from fuseforge_flyte.training.distributed import DistContext
 
     torch.set_num_threads(1)
-    strategies.compute_dtype = lambda spec, device: spec.dtype  # bf16 on the CPU (a forked worker: dies with it)
+    precision.compute_dtype = lambda spec, device: spec.dtype  # bf16 on the CPU (a forked worker: dies with it)
     ctx = DistContext.from_env(need_group=True)
     try:
         spec = _spec(strategy="fsdp", dtype="bf16", batch_size=2)
@@ -186,7 +186,7 @@ def test_fsdp_keeps_frozen_weights_in_bf16_apart_from_fp32_adapters():
 def test_adapter_and_merged_outputs_load_without_fuseforge_and_train_on(base_dir, tmp_path, qlora):
     first = train(_spec(model=base_dir, qlora=qlora, lora_merge=True, output_dir=str(tmp_path / "run"), steps=3))
     out = Path(first.model_dir)  # the run's model folder: the merged model, its adapter beside it
-    assert out == Path(run_outputs.model_dir(str(tmp_path / "run")))
+    assert out == Path(outputs.model_dir(str(tmp_path / "run")))
     assert {"config.json", "model.safetensors"} <= set(os.listdir(out))
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(out / "adapter"))
     adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())

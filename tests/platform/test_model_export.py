@@ -14,12 +14,13 @@ import textwrap
 import pytest
 import torch
 
+from fuseforge_flyte.cache_dirs import CACHE_ENV
+from fuseforge_flyte.model_names import PRESETS, is_known_model, load_config
 from fuseforge_flyte.training import export as export_mod
 from fuseforge_flyte.training.distributed import DistContext
 from fuseforge_flyte.training.export import (ExportError, save_pretrained_model, transformers_class,
                                              verify_model_dir)
-from fuseforge_flyte.training.models import (CACHE_ENV, PRESETS, build_model, is_known_model,
-                                             load_config)
+from fuseforge_flyte.training.models import build_model
 from fuseforge_flyte.training.spec import TrainSpec
 from fuseforge_flyte.training.strategies import make_strategy
 import forking  # tests/support

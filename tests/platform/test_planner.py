@@ -12,8 +12,9 @@ from fuseforge_flyte.decks import training_deck_html
 from fuseforge_flyte.training import planner
 from fuseforge_flyte.training.data import DataPosition, ShardedBatches, benchmark_dataset
 from fuseforge_flyte.training.engine import train
-from fuseforge_flyte.training.planner import (Candidate, Plan, PlanError, Probe, ProbeRunner, candidates, choose,
-                                              memory_budget, micro_batch_sizes, per_rank_sequences, search,
+from fuseforge_flyte.training.plan import Candidate, Plan, Probe
+from fuseforge_flyte.training.planner import (PlanError, ProbeRunner, candidates, choose, memory_budget,
+                                              micro_batch_sizes, per_rank_sequences, search,
                                               set_activation_checkpointing)
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 import forking  # tests/support

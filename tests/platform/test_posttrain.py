@@ -117,7 +117,7 @@ def test_policy_trains_on_the_fused_loss_against_the_scored_reference(scored, tm
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "model"))
     AutoTokenizer.from_pretrained(str(tmp_path / "model"))
     assert not hasattr(model, "_fuseforge_state")  # saved plain: loads without fuseforge
-    from fuseforge_flyte.decks import preference_deck_html
+    from fuseforge_flyte.posttrain.decks import preference_deck_html
 
     deck = preference_deck_html(preference)
     assert "fused DPO loss" in deck and "eval reward accuracy" in deck and "<img" in deck

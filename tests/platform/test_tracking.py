@@ -1,5 +1,6 @@
 """Experiment tracking ([tracking] of platform.toml): TensorBoard events and W&B calls carry the engine's own
-numbers, the run is closed on failure too, the config is validated, and it is off by default."""
+numbers, the run is closed on failure too, the config is validated, and it is off by default. The engine takes
+[tracking] as TrackingSettings from whoever runs it (here: PlatformConfig.tracking_settings(), as the task does)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from fuseforge_flyte import config as platform_config
 from fuseforge_flyte.config import ConfigError, load_config
 from fuseforge_flyte.training import engine, tracking
-from fuseforge_flyte.training.engine import train
+from fuseforge_flyte.training.engine import train as train_engine
 from fuseforge_flyte.training.faults import FAULT_ENV, InjectedFault
 from fuseforge_flyte.training.spec import TrainSpec
 
@@ -26,6 +27,11 @@ TRAIN_TAGS = {"train/loss", "train/lr", "train/tokens_per_s", "train/step_time_s
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread(one_torch_thread):
     """Every test of this module on one torch thread (see conftest)."""
+
+
+def train(spec):
+    """The engine with the process's [tracking], as the Flyte task runs it."""
+    return train_engine(spec, tracking_settings=platform_config.get_config().tracking_settings())
 
 
 @pytest.fixture
@@ -97,6 +103,20 @@ def test_tensorboard_events_hold_the_runs_numbers(tracking_env, tmp_path):
     assert summary["tokens_per_s"].value == pytest.approx(m.tokens_per_s, rel=1e-6)
 
 
+def test_the_engine_command_line_tracks_with_platform_toml(tracking_env, tmp_path):
+    """`python -m fuseforge_flyte.training` is an entry point like the task: it hands [tracking] to the engine."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fuseforge_flyte.training.cli import main
+
+    tracking_env(backend="tensorboard", log_dir=str(tmp_path / "tb"), run_name="cli")
+    args = [f"--{key}={value}" for key, value in TINY.items() if key != "kernels"] + ["--no-kernels"]
+    assert main(args) == 0
+    events = EventAccumulator(str(tmp_path / "tb" / "cli"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+
+
 def test_wandb_gets_config_every_step_evals_summary_and_finish(tracking_env, fake_wandb, tmp_path):
     from fuseforge_flyte.data.prepare import prepare
 
@@ -152,11 +172,11 @@ def test_a_missing_library_fails_before_training_naming_key_and_package(tracking
 def test_only_rank_0_tracks_but_every_rank_checks_the_library(tmp_path, monkeypatch):
     config = load_config(_write_required(tmp_path), env={"FUSEFORGE__TRACKING__BACKEND": "tensorboard",
                                                          "FUSEFORGE__TRACKING__LOG_DIR": str(tmp_path / "tb")})
-    assert type(tracking.start(TrainSpec(), is_main=False, config=config)) is tracking.Tracker
+    assert type(tracking.start(TrainSpec(), is_main=False, settings=config.tracking_settings())) is tracking.Tracker
     assert not (tmp_path / "tb").exists()
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     with pytest.raises(tracking.TrackingUnavailable, match=r"pip install tensorboard"):
-        tracking.start(TrainSpec(), is_main=False, config=config)
+        tracking.start(TrainSpec(), is_main=False, settings=config.tracking_settings())
 
 
 def test_off_by_default_writes_nothing(tracking_env, tmp_path, fake_wandb):

@@ -7,13 +7,14 @@ import os
 import pytest
 import torch
 
+from fuseforge_flyte.model_names import BYTE_VOCAB_SIZE, PRESETS
 from fuseforge_flyte.training import cli
-from fuseforge_flyte.training.data import (BYTE_VOCAB_SIZE, DataPosition, ShardedBatches, SyntheticTokens,
-                                           benchmark_dataset, bytes_corpus_path, decode, encode)
+from fuseforge_flyte.training.data import (DataPosition, ShardedBatches, SyntheticTokens, benchmark_dataset,
+                                           bytes_corpus_path, decode, encode)
 from fuseforge_flyte.training.engine import NonFiniteLossError, train
 from fuseforge_flyte.training.faults import NONFINITE_ENV
 from fuseforge_flyte.training.metrics import History, summarize
-from fuseforge_flyte.training.models import PEAK_TFLOPS_ENV, PRESETS, build_model, model_flops, peak_flops
+from fuseforge_flyte.training.models import PEAK_TFLOPS_ENV, build_model, model_flops, peak_flops
 from fuseforge_flyte.training.spec import TrainSpec
 from fuseforge_flyte.training.strategies import deepspeed_config
 
@@ -82,9 +83,11 @@ def test_skip_kernels_leaves_those_kernels_out():
 
 def test_kernel_switches_are_apply_kernels_flags():
     from fuseforge.transformers import DEFAULT_FLAGS
-    from fuseforge_flyte.training.validation import KERNEL_SWITCHES
+    from fuseforge_flyte.training.validation import kernel_switches
 
-    assert set(KERNEL_SWITCHES) == set(DEFAULT_FLAGS) - {"cross_entropy"}
+    assert set(kernel_switches()) == set(DEFAULT_FLAGS) - {"cross_entropy"}
+    # in the order TrainSpec.skip_kernels' help and the unknown-kernel message list them
+    assert kernel_switches() == ("rms_norm", "layer_norm", "rope", "swiglu", "fused_linear_cross_entropy", "lora")
 
 
 def test_loss_chunk_size_reaches_apply_kernels_and_trains_the_same(monkeypatch):
@@ -116,12 +119,18 @@ def test_gradient_checkpointing_recomputes_the_same_numbers():
 
 
 def test_warmup_cosine_schedule():
-    from fuseforge_flyte.training.optim import MIN_LR_RATIO, WarmupCosine
+    from fuseforge_flyte.training.optim import MIN_LR_RATIO, scheduler
 
-    f = WarmupCosine(warmup=4, total=20)
-    assert [f(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
-    assert f(4) == 1.0 and f(12) == pytest.approx((1 + MIN_LR_RATIO) / 2) and f(20) == pytest.approx(MIN_LR_RATIO)
-    assert all(f(s) >= f(s + 1) for s in range(4, 25))
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    schedule = scheduler(optimizer, warmup=4, total=20)
+    f = []  # the lr multiplier each step trains with
+    for _ in range(21):
+        f.append(schedule.get_last_lr()[0])
+        optimizer.step()
+        schedule.step()
+    assert f[:4] == [0.0, 0.25, 0.5, 0.75]
+    assert f[4] == 1.0 and f[12] == pytest.approx((1 + MIN_LR_RATIO) / 2) and f[20] == pytest.approx(MIN_LR_RATIO)
+    assert all(f[s] >= f[s + 1] for s in range(4, 20))
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e3], ids=["clipped", "under-the-norm"])

@@ -101,7 +101,7 @@ def unreachable_hub(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("option, load", [
-    ("model", lambda: __import__("fuseforge_flyte.training.models", fromlist=["x"]).load_config("acme/not-cached")),
+    ("model", lambda: __import__("fuseforge_flyte.model_names", fromlist=["x"]).load_config("acme/not-cached")),
     ("tokenizer", lambda: __import__("fuseforge_flyte.data.tokenizer", fromlist=["x"]).load_tokenizer(
         "acme/not-cached", "tiny-llama")),
     ("dataset", lambda: load_source("acme/not-cached")),

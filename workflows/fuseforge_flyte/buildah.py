@@ -25,7 +25,8 @@ from typing import List, Optional
 from flytekit.constants import CopyFileDetection
 from flytekit.image_spec.image_spec import ImageBuildEngine, ImageSpec, ImageSpecBuilder
 
-from fuseforge_flyte.image import IMAGE_UID, ImageBuildError, _prepared, _split_image, registry_has_image
+from fuseforge_flyte.image_build import IMAGE_UID, ImageBuildError, in_staged_sources
+from fuseforge_flyte.registry import registry_has_image, split_image_name
 
 BUILDER_NAME = "fuseforge-buildah"
 STORAGE_FLAGS = ("--storage-driver", "vfs")
@@ -81,7 +82,7 @@ def qualified(image: str) -> str:
 
 def is_loopback(image_name: str) -> bool:
     """Whether the image's registry listens on this machine (the only kind pushed to without TLS)."""
-    host = _split_image(image_name)[0]
+    host = split_image_name(image_name)[0]
     hostname = host[: host.index("]") + 1] if host.startswith("[") else host.split(":")[0]
     return hostname in ("localhost", "127.0.0.1", "[::1]")
 
@@ -158,7 +159,7 @@ def render_buildah_context(spec: ImageSpec, out_dir: os.PathLike | str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     shutil.copy2(find_uv(), out / "uv")
     requirements = requirements_text(spec)
-    with _prepared(spec):
+    with in_staged_sources(spec):
         copies = _copy_into(spec, out)
     env = {"UV_PYTHON_INSTALL_DIR": "/opt/python", "UV_COMPILE_BYTECODE": "1", "UV_LINK_MODE": "copy",
            "UV_NO_CACHE": "1", "VIRTUAL_ENV": VENV, "PATH": f"{VENV}/bin:$PATH", "FLYTE_SDK_RICH_TRACEBACKS": "0",
@@ -177,7 +178,7 @@ def render_buildah_context(spec: ImageSpec, out_dir: os.PathLike | str) -> Path:
     lines += [
         "COPY uv /usr/local/bin/uv",
         "ENV " + " ".join(f"{key}={json.dumps(value)}" for key, value in env.items()),
-        # The uid the Helm chart's pods run as (fuseforge_flyte.image.IMAGE_UID), as images/Dockerfile makes it.
+        # The uid the Helm chart's pods run as (fuseforge_flyte.image_build.IMAGE_UID), as images/Dockerfile makes it.
         f"RUN id -u flytekit >/dev/null 2>&1 || useradd --uid {IMAGE_UID} --user-group --create-home --shell /bin/bash flytekit",
         f"RUN uv venv --python {spec.python_version or '.'.join(map(str, sys.version_info[:2]))} {VENV}",
     ]

@@ -61,7 +61,8 @@ def cmd_config(args: argparse.Namespace, config: PlatformConfig) -> int:
 
 
 def requirements_txt(config: PlatformConfig) -> str:
-    from fuseforge_flyte.image import find_checkout, image_packages
+    from fuseforge_flyte.image import image_packages
+    from fuseforge_flyte.image_build import find_checkout
 
     packages = [p for p in image_packages(config, find_checkout()) if p != config.image.torch]
     return REQUIREMENTS_HEADER + "\n".join(packages) + "\n"
@@ -96,7 +97,7 @@ def cmd_build_base(args: argparse.Namespace, config: PlatformConfig) -> int:
 
 def pyflyte_command(config: PlatformConfig, workflow: str, remote: bool, extra: List[str]) -> List[str]:
     """The pyflyte invocation for a workflow; remote runs upload the whole workflows/ tree (--copy all)."""
-    from fuseforge_flyte.image import find_checkout
+    from fuseforge_flyte.image_build import find_checkout
 
     checkout = find_checkout()
     if checkout is None:

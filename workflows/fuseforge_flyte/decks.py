@@ -9,14 +9,11 @@ from __future__ import annotations
 import base64
 import html
 import io
-from typing import TYPE_CHECKING, List, Sequence, Tuple
+from typing import List, Sequence, Tuple
 
 from fuseforge_flyte import run_outputs
 from fuseforge_flyte.comparison import Comparison
 from fuseforge_flyte.training.spec import TrainMetrics
-
-if TYPE_CHECKING:
-    from fuseforge_flyte.posttrain.dpo import PreferenceMetrics
 
 _GIB = "GiB"
 
@@ -129,7 +126,7 @@ def plan_html(plan_json: str) -> str:
     """The planner's probes (one row each: layout, peak memory, tokens/s, verdict) and its choice; "" without."""
     if not plan_json:
         return ""
-    from fuseforge_flyte.training.planner import Plan
+    from fuseforge_flyte.training.plan import Plan
 
     plan = Plan.from_json(plan_json)
     rows = []
@@ -147,32 +144,6 @@ def plan_html(plan_json: str) -> str:
             f"<p>budget per GPU {plan.budget_bytes / 2**30:.2f} {_GIB} for the probes' peak (optimizer state "
             f"{plan.optimizer_bytes / 2**30:.2f} {_GIB} set aside); global batch {plan.global_batch} sequences "
             f"on {plan.world_size} GPU(s)</p>" + table_html(header, rows))
-
-
-def _maybe(value, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
-
-
-def preference_deck_html(p: "PreferenceMetrics") -> str:
-    """DPO's reward accuracy and margin: a table and their curves over the logged steps."""
-    from matplotlib.figure import Figure
-
-    rows = [("loss type", p.loss_type), ("reference model", p.reference_model),
-            ("fused DPO loss", "yes" if p.fused_loss else "no (TRL's own loss: see the notes)"),
-            ("reward accuracy (last 10% of steps)", _maybe(p.reward_accuracy, ".3f")),
-            ("reward margin (last 10% of steps)", _maybe(p.reward_margin, ".4f"))]
-    if p.eval_reward_accuracy is not None:
-        rows += [("eval reward accuracy", _maybe(p.eval_reward_accuracy, ".3f")),
-                 ("eval reward margin", _maybe(p.eval_reward_margin, ".4f"))]
-    fig = Figure(figsize=(10, 3.6))
-    for ax, (curve, title) in zip(fig.subplots(1, 2), ((p.accuracy_curve, "reward accuracy"),
-                                                       (p.margin_curve, "reward margin"))):
-        ax.plot(range(1, len(curve) + 1), list(curve), marker="." if len(curve) <= 50 else None)
-        ax.set(title=title, xlabel="logged step")
-        ax.grid(alpha=0.3)
-    notes = "".join(f"<li>{html.escape(note)}</li>" for note in p.notes)
-    return (table_html(["metric", "value"], rows) + figure_html(fig, "reward accuracy and margin per step")
-            + (f"<h4>kernels</h4><ul>{notes}</ul>" if notes else ""))
 
 
 def _change(new: float, old: float, lower_is_better: bool = False) -> str:

@@ -36,7 +36,7 @@ def restore_previous(checkpoint, *, nnodes: int, launch_env: Dict[str, str]) -> 
     `checkpoint` is flytekit's Checkpoint of this task attempt; `launch_env` receives the workers' variables.
     None (no checkpoints) for multi-node runs.
     """
-    from fuseforge_flyte.training.checkpoint_signing import REQUIRE_KEY_ENV
+    from fuseforge_flyte.training.checkpoint.signing import REQUIRE_KEY_ENV
 
     if nnodes > 1:
         log.warning("checkpoint_dir is empty and this job has %d nodes: the task's own Flyte checkpoint serves one "

@@ -20,28 +20,25 @@ changes with every local edit, so it is the one most likely never to have been p
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import shutil
-import re
 import shlex
 import subprocess
-import tempfile
-import urllib.error
-import urllib.parse
-import urllib.request
 import warnings
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from flytekit.constants import CopyFileDetection
 from flytekit.image_spec.default_builder import DefaultImageBuilder, create_docker_context
 from flytekit.image_spec.image_spec import ImageBuildEngine, ImageSpec
 
 from fuseforge_flyte.config import ConfigError, ImageConfig, PlatformConfig
+from fuseforge_flyte.image_build import (IMAGE_UID, STAGED_SOURCE_DIR, ImageBuildError, find_checkout,
+                                         in_staged_sources, source_files)
 from fuseforge_flyte.image_lock import LOCK_PATH, RENEW, lock_file, stale_requirements
+from fuseforge_flyte.registry import registry_has_image
 
 try:
     import tomllib
@@ -49,19 +46,12 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 BUILDER_NAME = "fuseforge"
-STAGED_SOURCE_DIR = "fuseforge-src"  # inside the Docker context and under /root in the image
-# What a wheel build of fuseforge needs from the checkout (README.md/LICENSE when present).
-SOURCE_PATHS = ("pyproject.toml", "README.md", "LICENSE", "kernels", "workflows")
-_IGNORED = ("__pycache__", "*.pyc", "*.pyo", "*.egg-info", ".pytest_cache", "build", "dist")
 # Image settings: no DeepSpeed op pre-compilation (ops JIT on the GPU node when used). Nothing about indexes:
 # each install names its one index (see the module docstring).
 IMAGE_ENV = {"DS_BUILD_OPS": "0"}
 # How the lock is installed: each archive checked against its sha256, nothing resolved beyond it.
 LOCKED_INSTALL_ARGS = "--require-hashes --no-deps"
-# uid/gid of the image's user "flytekit", which the Helm chart's pods run as (platform.podSecurityContext):
-# Kubernetes can only check runAsNonRoot against a numeric uid, and /root (where Flyte runs tasks) is its.
-# images/Dockerfile creates the user with it; the ImageSpec build (flytekit creates the user) checks it.
-IMAGE_UID = 1001
+# The image user's uid is the one the Helm chart's pods run as (image_build.IMAGE_UID): the build checks it.
 UID_CHECK_COMMAND = (
     f'test "$(id -u flytekit):$(id -g flytekit)" = "{IMAGE_UID}:{IMAGE_UID}" || '
     f'(echo "the image user flytekit is $(id -u flytekit):$(id -g flytekit), the fuseforge chart runs pods as '
@@ -74,45 +64,6 @@ IMAGE_CHECK_ENV = "FUSEFORGE_IMAGE_CHECK"
 _CONTENT_TAGGED: set = set()
 # The config each image name was made from (what its lock must cover).
 _CONFIG_OF: Dict[str, PlatformConfig] = {}
-_MANIFEST_TYPES = (
-    "application/vnd.oci.image.index.v1+json",
-    "application/vnd.oci.image.manifest.v1+json",
-    "application/vnd.docker.distribution.manifest.list.v2+json",
-    "application/vnd.docker.distribution.manifest.v2+json",
-)
-
-
-class ImageBuildError(RuntimeError):
-    """The image cannot be built on this machine (no Docker, no source checkout)."""
-
-
-def find_checkout() -> Optional[Path]:
-    """The fuseforge source checkout this package runs from, or None (installed from a wheel)."""
-    root = Path(__file__).resolve().parents[2]
-    if (root / "pyproject.toml").is_file() and (root / "kernels" / "fuseforge").is_dir():
-        return root
-    return None
-
-
-def _is_ignored(name: str) -> bool:
-    return any(Path(name).match(pattern) for pattern in _IGNORED)
-
-
-def source_files(checkout: Path) -> List[Tuple[str, Path]]:
-    """(relative path, absolute path) of every file that goes into the image, sorted, caches left out."""
-    found = []
-    for top in SOURCE_PATHS:
-        path = checkout / top
-        if path.is_file():
-            found.append((top, path))
-        elif path.is_dir():
-            for dirpath, dirnames, filenames in os.walk(path):
-                dirnames[:] = sorted(d for d in dirnames if not _is_ignored(d))
-                for name in filenames:
-                    if not _is_ignored(name):
-                        full = Path(dirpath) / name
-                        found.append((full.relative_to(checkout).as_posix(), full))
-    return sorted(found)
 
 
 def _pyproject_requirements(checkout: Path, config: PlatformConfig) -> List[str]:
@@ -208,39 +159,6 @@ def training_image(config: PlatformConfig) -> ImageSpec:
     )
 
 
-@contextlib.contextmanager
-def staged_context() -> Iterator[Path]:
-    """A temporary directory holding a clean copy of the sources, as `ImageSpec.copy` expects them."""
-    checkout = find_checkout()
-    if checkout is None:
-        raise ImageBuildError(
-            "[image].fuseforge = \"checkout\" needs the fuseforge source checkout, but this fuseforge_flyte "
-            "is installed from a wheel. Build from a git checkout, or set [image].fuseforge to a pip "
-            "requirement such as \"fuseforge[hf,platform,deepspeed]==0.1.0\"."
-        )
-    with tempfile.TemporaryDirectory(prefix="fuseforge-image-") as tmp:
-        for rel, path in source_files(checkout):
-            target = Path(tmp) / STAGED_SOURCE_DIR / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, target)
-        yield Path(tmp)
-
-
-@contextlib.contextmanager
-def _prepared(spec: ImageSpec) -> Iterator[None]:
-    """Run inside the staged sources when the spec copies them (flytekit resolves `copy` from the cwd)."""
-    if not spec.copy:
-        yield
-        return
-    previous = os.getcwd()
-    with staged_context() as stage:
-        os.chdir(stage)
-        try:
-            yield
-        finally:
-            os.chdir(previous)
-
-
 def check_locked(spec: ImageSpec, config: Optional[PlatformConfig] = None) -> None:
     """Refuse to build an image that would not be the locked one: no lock, or a lock that does not cover [image]."""
     if not spec.requirements or spec.packages:
@@ -266,7 +184,7 @@ def render_docker_context(spec: ImageSpec, out_dir: os.PathLike | str,
     check_locked(spec, config)
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    with _prepared(spec):
+    with in_staged_sources(spec):
         create_docker_context(spec, out)
     return out / "Dockerfile"
 
@@ -296,59 +214,6 @@ def check_docker(image_name: str) -> None:
     if probe.returncode != 0:
         reason = (probe.stderr.strip() or probe.stdout.strip()).splitlines()[-1:] or ["unknown error"]
         raise ImageBuildError(f"{advice}: the Docker daemon is not reachable ({reason[0]}).")
-
-
-def _split_image(image_name: str) -> Tuple[str, str, str]:
-    """(registry host, repository, tag) of "host[:port]/path/name:tag"; Docker Hub for a bare "user/name"."""
-    rest, _, tag = image_name.rpartition(":")
-    if not rest or "/" in tag:
-        rest, tag = image_name, "latest"
-    first, _, path = rest.partition("/")
-    if path and ("." in first or ":" in first or first == "localhost"):
-        return first, path, tag
-    return "registry-1.docker.io", rest if "/" in rest else f"library/{rest}", tag
-
-
-def _request(url: str, headers: Dict[str, str], timeout: float, method: str = "HEAD") -> Tuple[Optional[int], Dict[str, str], bytes]:
-    request = urllib.request.Request(url, headers=headers, method=method)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 (http(s) only)
-            return response.status, dict(response.headers), response.read() if method == "GET" else b""
-    except urllib.error.HTTPError as exc:
-        return exc.code, dict(exc.headers or {}), b""
-    except (OSError, ValueError):  # unreachable, refused, timed out, TLS failure
-        return None, {}, b""
-
-
-def registry_has_image(image_name: str, timeout: float = 10.0) -> Optional[bool]:
-    """Whether the registry has this tag (Docker Registry HTTP API v2, anonymous token if asked for one):
-    True or False when the registry says so, None when it cannot tell (unreachable, needs credentials)."""
-    host, repository, tag = _split_image(image_name)
-    scheme = "http" if host.split(":")[0] in ("localhost", "127.0.0.1") else "https"
-    url = f"{scheme}://{host}/v2/{repository}/manifests/{tag}"
-    headers = {"Accept": ", ".join(_MANIFEST_TYPES)}
-    status, response_headers, _ = _request(url, headers, timeout)
-    challenge = next((v for k, v in response_headers.items() if k.lower() == "www-authenticate"), "")
-    if status == 401 and challenge.lower().startswith("bearer "):
-        params = dict(re.findall(r'(\w+)="([^"]*)"', challenge))
-        realm = params.pop("realm", "")
-        if realm.startswith(("https://", "http://")):
-            query = urllib.parse.urlencode({k: v for k, v in params.items() if k in ("service", "scope")})
-            token_status, _, body = _request(f"{realm}?{query}", {}, timeout, method="GET")
-            token = None
-            if token_status == 200:
-                try:
-                    answer = json.loads(body)
-                    token = answer.get("token") or answer.get("access_token")
-                except (ValueError, AttributeError):
-                    pass
-            if token:
-                status, _, _ = _request(url, {**headers, "Authorization": f"Bearer {token}"}, timeout)
-    if status == 200:
-        return True
-    if status == 404:
-        return False
-    return None
 
 
 # The registration command seen when the tasks were defined: `pyflyte run --remote` serializes them in a
@@ -429,7 +294,7 @@ class FuseforgeImageBuilder(DefaultImageBuilder):
             from fuseforge_flyte.buildah import BuildahImageBuilder
 
             return BuildahImageBuilder().build(image_spec, push=push)
-        with _prepared(image_spec), warnings.catch_warnings():
+        with in_staged_sources(image_spec), warnings.catch_warnings():
             # tag_format is used by ImageSpec itself, not the builder; flytekit warns about it regardless.
             warnings.filterwarnings("ignore", message="The following parameters are unsupported")
             self._build_image(image_spec, push=push)
@@ -437,5 +302,5 @@ class FuseforgeImageBuilder(DefaultImageBuilder):
 
 
 ImageBuildEngine.register(BUILDER_NAME, FuseforgeImageBuilder(), priority=0)
-# The daemonless builder registers itself with flytekit too (as "fuseforge-buildah"); it imports this module.
+# The daemonless builder registers itself with flytekit too (as "fuseforge-buildah") when imported.
 import fuseforge_flyte.buildah  # noqa: E402,F401

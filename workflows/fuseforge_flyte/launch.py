@@ -26,11 +26,11 @@ from kubernetes.client import V1PodSpec, V1Toleration
 
 from fuseforge_flyte import flyte_checkpoint, quiet, run_outputs
 from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, PlatformConfig
+from fuseforge_flyte.environ import environment
 from fuseforge_flyte.image import training_image
 from fuseforge_flyte.object_store import share_flyte_s3_settings
-from fuseforge_flyte.training import permanent
+from fuseforge_flyte.training import outputs, permanent
 from fuseforge_flyte.training.distributed import SHARED_STORE_ENV
-from fuseforge_flyte.training.environ import environment
 from fuseforge_flyte.training.spec import CHECKPOINT_OFF, TrainMetrics
 
 # Task pods (and the training workers they start) read datasets and models from Flyte's object store.
@@ -57,7 +57,7 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
 
     A str input named `checkpoint_dir` left empty gets, on a cluster, a local directory that holds the
     previous attempt's checkpoints and is mirrored to the task's own Flyte checkpoint (see flyte_checkpoint).
-    A str input named `output_dir` left empty gets, locally, a new ./outputs/<model>-<UTC time> (run_outputs).
+    A str input named `output_dir` left empty gets, locally, a new ./outputs/<model>-<UTC time> (training/outputs.py).
     """
 
     checkpoint_input = "checkpoint_dir"
@@ -86,7 +86,7 @@ class ElasticTrainingTask(PytorchElasticFunctionTask):
             run_outputs.remove_temp_dirs_at_exit()
             temp_root = run_outputs.private_temp_dir()
             if kwargs.get(self.output_input) == "":
-                kwargs[self.output_input] = run_outputs.new_output_dir("", str(kwargs.get("model") or "run"))
+                kwargs[self.output_input] = outputs.new_output_dir("", str(kwargs.get("model") or "run"))
         elif kwargs.get(self.checkpoint_input) == "":
             kwargs[self.checkpoint_input] = self._default_checkpoint_dir(launch_env) or CHECKPOINT_OFF
         # an explicit user setting wins over the launch's own

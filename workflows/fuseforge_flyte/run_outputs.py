@@ -1,29 +1,25 @@
-"""Where a run's results go, and what a finished local run leaves behind.
+"""Run outputs on Flyte's side: local or cluster run, the directories tasks return, flytekit's temporary ones.
 
-Locally (`pyflyte run` without --remote) a training run writes into `output_dir`: the model (`model/`, a Hugging
-Face directory), `metrics.json` and `settings.json` (the run's resolved settings); left empty it is
-`./outputs/<model>-<UTC time>`. Directories that tasks return are used where they are (not copied into
-flytekit's temporary sandbox), the outputs of cached tasks live in fuseforge's cache (so a later cache hit finds
-them), and the temporary directories that flytekit makes in every process of the run are removed when that
-process ends. On a cluster the model stays a FlyteDirectory in Flyte's store, as before.
+Locally (`pyflyte run` without --remote) a training run writes into `output_dir` (its layout: training/outputs.py;
+left empty, launch.py names a new ./outputs/<model>-<UTC time>). Directories that tasks return are used where they
+are (not copied into flytekit's temporary sandbox), the outputs of cached tasks live in fuseforge's cache (so a
+later cache hit finds them), and the temporary directories that flytekit makes in every process of the run are
+removed when that process ends. On a cluster the model stays a FlyteDirectory in Flyte's store, as before.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
-import json
 import os
 import shutil
 import tempfile
 import uuid
-from typing import Any, Iterator
+from typing import Iterator
 
-OUTPUTS_ROOT = "outputs"
-MODEL_SUBDIR = "model"
-METRICS_FILE = "metrics.json"
-SETTINGS_FILE = "settings.json"
+from fuseforge_flyte.cache_dirs import cache_root
+from fuseforge_flyte.environ import environment
+
 # Set by the launcher of a local run for its workers (they cannot ask flytekit's context reliably).
 LOCAL_RUN_ENV = "FUSEFORGE_LOCAL_RUN"
 
@@ -38,46 +34,11 @@ def is_local_run() -> bool:
     return state is not None and state.is_local_execution()
 
 
-def new_output_dir(output_dir: str, model: str) -> str:
-    """The absolute directory a local run writes to: `output_dir`, or a new ./outputs/<model>-<UTC time>."""
-    if output_dir:
-        return os.path.abspath(os.path.expanduser(output_dir))
-    from fuseforge_flyte.training.tracking import default_run_name
-
-    base = os.path.abspath(os.path.join(OUTPUTS_ROOT, default_run_name(model)))
-    os.makedirs(os.path.dirname(base), exist_ok=True)
-    for attempt in range(1, 1000):  # two runs started in the same second (compare) get their own directory
-        candidate = base if attempt == 1 else f"{base}-{attempt}"
-        try:
-            os.mkdir(candidate)
-            return candidate
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"output_dir: {base}-* are all taken; name one with output_dir")
-
-
-def model_dir(output_dir: str) -> str:
-    return f"{output_dir.rstrip('/')}/{MODEL_SUBDIR}"
-
-
-def write_run_record(output_dir: str, metrics: Any, settings: Any) -> None:
-    """metrics.json and settings.json (both dataclasses) beside the model: what ran and what it measured.
-    `output_dir` is a local directory or an fsspec URI."""
-    import fsspec
-
-    for name, value in ((METRICS_FILE, metrics), (SETTINGS_FILE, settings)):
-        with fsspec.open(f"{output_dir.rstrip('/')}/{name}", "w", encoding="utf-8", auto_mkdir=True) as handle:
-            json.dump(dataclasses.asdict(value), handle, indent=2, default=str)
-            handle.write("\n")
-
-
 def task_output_dir(kind: str) -> str:
     """A directory for a task's returned files: locally in fuseforge's cache (a cached task's later hit reads
     it after this process ended), on a cluster a temporary one (flytekit uploads it)."""
     if not is_local_run():
         return tempfile.mkdtemp(prefix=f"fuseforge-{kind}-")
-    from fuseforge_flyte.training.models import cache_root
-
     path = os.path.join(cache_root("task-outputs"), kind, uuid.uuid4().hex)
     os.makedirs(path)
     return path
@@ -127,8 +88,6 @@ def private_temp_dir() -> Iterator[str]:
     """A temporary root for one local launch: the workers (through TMPDIR) and torch elastic's agent make their
     temporary directories there (flytekit's, one set per process; torch elastic's logs). It is removed when this
     process exits, after flytekit has taken the task's outputs (a returned directory may lie there)."""
-    from fuseforge_flyte.training.environ import environment
-
     path = tempfile.mkdtemp(prefix="fuseforge-run-")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     previous = tempfile.tempdir

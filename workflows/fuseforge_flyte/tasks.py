@@ -26,7 +26,6 @@ from flytekit import Deck, task
 from flytekit.types.directory import FlyteDirectory
 from flytekit.types.file import FlyteFile
 
-from fuseforge_flyte import run_outputs
 from fuseforge_flyte.comparison import Comparison, compare_metrics
 from fuseforge_flyte.config import get_config
 from fuseforge_flyte.console import ensure_console_logging
@@ -36,6 +35,7 @@ from fuseforge_flyte.launch import (data_task_options, on_every_worker, summary_
                                     training_task_options)
 from fuseforge_flyte.run_outputs import returned_directory, task_output_dir
 from fuseforge_flyte.sampling import Samples
+from fuseforge_flyte.training import outputs
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 
 
@@ -155,10 +155,12 @@ def _train_on_worker(spec: TrainSpec) -> TrainOutput:
     if not spec.output_dir:  # on a cluster: a scratch directory that flytekit uploads as the model
         spec = dataclasses.replace(spec, output_dir=tempfile.mkdtemp(prefix="fuseforge-model-"))
     try:
-        metrics = train(spec, after_checkpoint=flyte_checkpoint.worker_hook())
+        # [tracking] as the task was registered with (in a pod, the config in its environment)
+        metrics = train(spec, after_checkpoint=flyte_checkpoint.worker_hook(),
+                        tracking_settings=get_config().tracking_settings())
     except Preempted as err:  # SIGTERM: checkpointed; Flyte retries the task and it resumes there
         raise FlyteRecoverableException(str(err)) from err
-    return TrainOutput(metrics=metrics, model=returned_directory(run_outputs.model_dir(spec.output_dir)))
+    return TrainOutput(metrics=metrics, model=returned_directory(outputs.model_dir(spec.output_dir)))
 
 
 def run_training(spec: TrainSpec) -> TrainOutput:

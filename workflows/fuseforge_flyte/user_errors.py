@@ -21,11 +21,19 @@ import time
 import traceback
 from typing import Optional
 
-from fuseforge_flyte.training.permanent import PermanentFailure
+from fuseforge_flyte.cache_dirs import cache_root
+
+
+class WorkerUserError(RuntimeError):
+    """Raised by a launcher when its workers failed on the user's input (training/permanent.py's PermanentFailure:
+    a failure no restart fixes). The message holds a header line, then one 'rank N: Type: message' line per worker
+    that recorded its error; the first of those is the line a user sees. Defined here, below the engine, so that
+    reporting a user error needs nothing of the engine."""
+
 
 # What a user's input causes: bad values and types, missing or unreadable files (UnicodeDecodeError is a
-# ValueError), and the verdict of workers that failed in a way no restart fixes (PermanentFailure).
-USER_ERROR_TYPES = (ValueError, TypeError, FileNotFoundError, PermanentFailure)
+# ValueError), and the verdict of workers that failed in a way no restart fixes (WorkerUserError).
+USER_ERROR_TYPES = (ValueError, TypeError, FileNotFoundError, WorkerUserError)
 _FIELD = re.compile(r"\b(?:TrainSpec|DataSpec|DPOSettings)\.(\w+)")
 _WORKER_PREFIX = re.compile(r"^rank \d+: \w+: ")
 # flytekit puts this in front of the message of an exception raised by a task (the same exception object)
@@ -48,7 +56,7 @@ def user_error_line(error: BaseException) -> Optional[str]:
     if first is None:
         return None
     message = _FLYTEKIT_PREFIX.sub("", str(first))
-    if isinstance(first, PermanentFailure):  # the first worker's recorded error, after the verdict's header line
+    if isinstance(first, WorkerUserError):  # the first worker's recorded error, after the verdict's header line
         recorded = [line.strip() for line in message.splitlines() if _WORKER_PREFIX.match(line.strip())]
         message = _WORKER_PREFIX.sub("", recorded[0]) if recorded else message
     message = " ".join(message.split())  # one line
@@ -56,8 +64,6 @@ def user_error_line(error: BaseException) -> Optional[str]:
 
 
 def log_dir() -> str:
-    from fuseforge_flyte.training.models import cache_root
-
     return cache_root("logs")
 
 

@@ -51,8 +51,8 @@ from flytekit.extend import TaskPlugins
 from flytekit.image_spec import ImageSpec
 
 from fuseforge_flyte.config import PlatformConfig, Toleration, config_from_dict, get_config
+from fuseforge_flyte.environ import environment
 from fuseforge_flyte.launch import ElasticTraining, ElasticTrainingTask, on_every_worker, training_task_options
-from fuseforge_flyte.training.environ import environment
 
 # decorator argument -> (platform.toml section, key); validated by the config's own rules
 CONFIG_ARGUMENTS: Dict[str, tuple] = {

@@ -8,20 +8,30 @@ positions are checked.
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from dataclasses import dataclass
+from typing import Optional
+
+from fuseforge_flyte.model_names import load_config
 
 
-def _numbers(data) -> Mapping[str, int]:
-    if isinstance(data, Mapping):
-        return data
-    return {k: getattr(data, k) for k in ("vocab_size", "max_token_id", "seq_len") if hasattr(data, k)}
+@dataclass(frozen=True)
+class DataNumbers:
+    """What a model must hold of some data: the tokenizer's vocabulary and highest id, the rows' length.
+    None: not known (yet), not checked."""
+
+    vocab_size: Optional[int] = None
+    max_token_id: Optional[int] = None  # None: vocab_size - 1
+    seq_len: Optional[int] = None
+
+    @classmethod
+    def of(cls, manifest) -> "DataNumbers":
+        """The numbers of prepared data (a data.shards.DataManifest)."""
+        return cls(vocab_size=manifest.vocab_size, max_token_id=manifest.max_token_id, seq_len=manifest.seq_len)
 
 
 def load_model_config(model: str):
     """The transformers config of DataSpec.model (preset, directory or config.json, HF id)."""
     import os
-
-    from fuseforge_flyte.training.models import load_config
 
     path = model[len("file://"):] if model.startswith("file://") else model
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
@@ -29,31 +39,20 @@ def load_model_config(model: str):
     return load_config(path)
 
 
-def check_fits_model(manifest_or_numbers, model_config, *, preset: Optional[bool] = None) -> None:
-    """Raise ValueError naming both sides when the data does not fit the model.
-
-    manifest_or_numbers: a DataManifest or a mapping with vocab_size, max_token_id, seq_len (any may
-    be left out). model_config: a transformers config, or a model name (preset/dir/HF id),
-    in which case `preset` defaults to whether it is a preset name. Presets skip the vocabulary check.
-    """
-    from fuseforge_flyte.training.models import PRESETS
-
-    config = model_config
-    if isinstance(model_config, str):
-        if preset is None:
-            preset = model_config in PRESETS
-        config = load_model_config(model_config)
-    numbers = _numbers(manifest_or_numbers)
+def check_fits_model(numbers: DataNumbers, config, *, preset: bool = False) -> None:
+    """Raise ValueError naming both sides when the data does not fit the model (`config`: its transformers
+    config). A preset (`preset`) takes its vocabulary from the data, so only its positions are checked."""
     n_vocab = getattr(config, "vocab_size", None)
-    if not preset and n_vocab is not None and "vocab_size" in numbers:
-        vocab, top = int(numbers["vocab_size"]), int(numbers.get("max_token_id", numbers["vocab_size"] - 1))
+    if not preset and n_vocab is not None and numbers.vocab_size is not None:
+        vocab = int(numbers.vocab_size)
+        top = int(numbers.max_token_id if numbers.max_token_id is not None else vocab - 1)
         if vocab > n_vocab or top >= n_vocab:
             raise ValueError(f"the tokenizer's ids go up to {top} (vocabulary {vocab}) but the model's vocab_size "
                              f"is {n_vocab}: use the model's own tokenizer (DataSpec.tokenizer='') or resize the "
                              "model's embeddings")
     positions = getattr(config, "max_position_embeddings", None)
-    if positions is not None and "seq_len" in numbers and int(numbers["seq_len"]) > int(positions):
-        raise ValueError(f"seq_len {numbers['seq_len']} is above the model's max_position_embeddings {positions}")
+    if positions is not None and numbers.seq_len is not None and int(numbers.seq_len) > int(positions):
+        raise ValueError(f"seq_len {numbers.seq_len} is above the model's max_position_embeddings {positions}")
 
 
 # Attention implementations that honour restarting position_ids as document boundaries in transformers:

@@ -19,7 +19,7 @@ from typing import Optional, Tuple
 
 import numpy as np
 
-from fuseforge_flyte.data.checks import check_fits_model, load_model_config, packing_unsupported_reason
+from fuseforge_flyte.data.checks import DataNumbers, check_fits_model, load_model_config, packing_unsupported_reason
 from fuseforge_flyte.data.formats import Encoder, detect_format
 from fuseforge_flyte.data.packing import best_fit_decreasing, one_per_row
 from fuseforge_flyte.data.shards import (FORMAT_VERSION, SPLITS, DataManifest, SplitStats,
@@ -27,6 +27,7 @@ from fuseforge_flyte.data.shards import (FORMAT_VERSION, SPLITS, DataManifest, S
 from fuseforge_flyte.data.sources import load_source
 from fuseforge_flyte.data.spec import DataSpec
 from fuseforge_flyte.data.tokenizer import load_tokenizer, resolve_tokenizer_source
+from fuseforge_flyte.model_names import PRESETS
 
 log = logging.getLogger("fuseforge.data")
 
@@ -71,16 +72,15 @@ def _fingerprint(spec: DataSpec, what: str) -> str:
 def prepare(spec: DataSpec, out_dir: str) -> DataManifest:
     """Tokenize, mask, pack and write `spec`'s data into `out_dir`; returns the manifest written there."""
     from fuseforge_flyte.quiet import disable_progress_bars
-    from fuseforge_flyte.training.models import PRESETS
 
     spec.validate()
     disable_progress_bars()  # the summary line below says what was prepared
     preset = spec.model in PRESETS
     config = load_model_config(spec.model)
-    check_fits_model({"seq_len": spec.seq_len}, config, preset=preset)
+    check_fits_model(DataNumbers(seq_len=spec.seq_len), config, preset=preset)
     tokenizer_name = resolve_tokenizer_source(spec.tokenizer, spec.model)
     tokenizer = load_tokenizer(spec.tokenizer, spec.model)
-    check_fits_model({"vocab_size": len(tokenizer), "max_token_id": len(tokenizer) - 1}, config, preset=preset)
+    check_fits_model(DataNumbers(vocab_size=len(tokenizer), max_token_id=len(tokenizer) - 1), config, preset=preset)
     packing = spec.packing
     if packing:
         reason = packing_unsupported_reason(config)
@@ -157,7 +157,7 @@ def prepare(spec: DataSpec, out_dir: str) -> DataManifest:
         eval_source=eval_source, dataset_config=spec.dataset_config, dataset_split=spec.dataset_split,
         seed=spec.seed,
     )
-    check_fits_model(manifest, config, preset=preset)
+    check_fits_model(DataNumbers.of(manifest), config, preset=preset)
     write_manifest(out_dir, manifest)
     if truncated:
         log.warning("%d examples were longer than seq_len %d and were %s", truncated, spec.seq_len,

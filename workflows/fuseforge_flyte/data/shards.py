@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import MISSING, asdict, dataclass, fields
-from typing import Dict, List, Optional, Sequence
+from typing import ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -68,6 +68,16 @@ class DataManifest:
     dataset_config: str = ""
     dataset_split: str = "train"
     seed: int = 0
+
+    # The fields that say which data this is, not where it lives: a resumed run must train on the same data
+    # (training/checkpoint/compatibility.py compares them).
+    IDENTITY: ClassVar[Tuple[str, ...]] = ("source", "dataset_config", "dataset_split", "eval_source", "data_format",
+                                           "seq_len", "packing", "tokenizer", "seed", "train_sequences",
+                                           "train_tokens", "train_loss_tokens")
+
+    def identity(self) -> Dict[str, object]:
+        """{field: value} of the IDENTITY fields."""
+        return {name: getattr(self, name) for name in self.IDENTITY}
 
 
 def manifest_path(data_dir: str) -> str:

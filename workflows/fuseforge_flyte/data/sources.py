@@ -14,7 +14,8 @@ from typing import List, Optional, Tuple
 from fuseforge_flyte import hub
 from fuseforge_flyte.data.file_errors import first_non_utf8, first_unreadable_line
 from fuseforge_flyte.data.builtin import BUILTIN_DATASETS, asset_path
-from fuseforge_flyte.data.spec import BUILDERS, is_uri, local_path, looks_like_hub_id
+from fuseforge_flyte.data.spec import BUILDERS, looks_like_hub_id
+from fuseforge_flyte.model_names import is_uri, local_path
 
 
 def _extension(path: str) -> str:

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 
 from fuseforge_flyte.data.builtin import BUILTIN_DATASETS, BUILTIN_TOKENIZER
+from fuseforge_flyte.model_names import is_uri, local_path
 
 FORMATS = ("text", "messages", "prompt_completion")
 DATA_FORMATS = ("auto",) + FORMATS
@@ -25,17 +26,6 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 # Files that hold model weights (PyTorch, safetensors, GGUF, TF/Flax, ONNX): never part of a tokenizer, and
 # nothing prepared data depends on.
 WEIGHT_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
-
-
-def is_uri(source: str) -> bool:
-    return "://" in source
-
-
-def local_path(source: str) -> str:
-    """`source` as a local path (file:// stripped); '' for other URIs."""
-    if source.startswith("file://"):
-        return source[len("file://"):]
-    return "" if is_uri(source) else source
 
 
 def looks_like_hub_id(source: str) -> bool:

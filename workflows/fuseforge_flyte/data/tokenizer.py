@@ -12,7 +12,8 @@ import tempfile
 
 from fuseforge_flyte import hub
 from fuseforge_flyte.data.builtin import BUILTIN_TOKENIZER, TOKENIZER_DIR, asset_path
-from fuseforge_flyte.data.spec import WEIGHT_FILE_SUFFIXES, is_uri, local_path, looks_like_hub_id
+from fuseforge_flyte.data.spec import WEIGHT_FILE_SUFFIXES, looks_like_hub_id
+from fuseforge_flyte.model_names import PRESETS, is_uri, local_path
 
 # any one of these marks a directory as holding a tokenizer
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -23,8 +24,6 @@ def resolve_tokenizer_source(source: str, model: str) -> str:
     """The tokenizer actually used: `source`, or (source "") the model's own; a preset's is the builtin."""
     if source:
         return source
-    from fuseforge_flyte.training.models import PRESETS
-
     if model in PRESETS:
         return BUILTIN_TOKENIZER
     path = local_path(model)

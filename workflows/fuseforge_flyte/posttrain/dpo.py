@@ -128,13 +128,16 @@ def dpo_config(settings: DPOSettings, output_dir: str, *, has_eval: bool):
     import torch
     from trl import DPOConfig
 
+    from fuseforge_flyte.training.optim import MIN_LR_RATIO
+
     cuda = torch.cuda.is_available()
     evaluate = dict(eval_strategy="steps", eval_steps=settings.eval_every) if has_eval and settings.eval_every \
         else {}
     return DPOConfig(
         output_dir=output_dir, max_steps=settings.steps, per_device_train_batch_size=settings.batch_size,
         per_device_eval_batch_size=settings.batch_size, gradient_accumulation_steps=settings.grad_accum,
-        learning_rate=settings.lr, warmup_steps=settings.warmup_steps, lr_scheduler_type="cosine",
+        learning_rate=settings.lr, warmup_steps=settings.warmup_steps,
+        lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": MIN_LR_RATIO},  # optim.scheduler's
         beta=settings.beta, loss_type=[settings.loss_type], label_smoothing=settings.label_smoothing,
         max_length=settings.max_length, precompute_ref_log_probs=True, precompute_ref_batch_size=settings.batch_size,
         logging_steps=1, save_strategy="no", report_to=[], bf16=cuda, use_cpu=not cuda, seed=settings.seed,

@@ -22,6 +22,7 @@ from fuseforge_flyte.launch import data_task_options
 from fuseforge_flyte.inputs import spec_values
 from fuseforge_flyte.posttrain.dpo import LOSS_TYPES, DPOSettings, PreferenceMetrics
 from fuseforge_flyte.tasks import CONFIG, DataSource, source_path
+from fuseforge_flyte.training import outputs
 from fuseforge_flyte.training.spec import TrainMetrics
 from fuseforge_flyte.user_task import training_task
 
@@ -53,7 +54,7 @@ def prepare_preference_data(dataset: DataSource, fingerprint: str, dataset_confi
 
 def _check_dpo_inputs(**inputs) -> None:
     """Bad settings fail once in the launching process, before any worker (or GPU) starts."""
-    from fuseforge_flyte.training.models import is_known_model, unknown_model_message
+    from fuseforge_flyte.model_names import is_known_model, unknown_model_message
 
     settings = _settings(inputs)
     for name in {settings.model, settings.reference}:
@@ -98,13 +99,13 @@ def dpo_train(data: FlyteDirectory, model: str, reference_model: str, tokenizer:
 
     settings = _settings(dict(locals()))
     output_dir = output_dir or tempfile.mkdtemp(prefix="fuseforge-dpo-")  # "" reaches a worker on a cluster only
-    metrics, preference = train_dpo(settings, data.path, run_outputs.model_dir(output_dir),
+    metrics, preference = train_dpo(settings, data.path, outputs.model_dir(output_dir),
                                     dataset_name="preferences")
     metrics.output_dir = output_dir if run_outputs.is_local_run() else ""
     if int(os.environ.get("RANK", "0")) == 0:
-        from fuseforge_flyte.decks import preference_deck_html
+        from fuseforge_flyte.posttrain.decks import preference_deck_html
 
-        run_outputs.write_run_record(output_dir, metrics, settings)
+        outputs.write_run_record(output_dir, metrics, settings)
         Deck("Preference metrics", preference_deck_html(preference))
     return DPOOutput(metrics=metrics, preference=preference,
-                     model=run_outputs.returned_directory(run_outputs.model_dir(output_dir)))
+                     model=run_outputs.returned_directory(outputs.model_dir(output_dir)))

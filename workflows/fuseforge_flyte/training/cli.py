@@ -89,11 +89,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         logging.basicConfig(level=args.log_level, stream=sys.stderr,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         spec = TrainSpec(**values).validate()
+        # The command line is an entry point, like the Flyte task: it reads platform.toml's [tracking] and hands it
+        # to the engine, which never reads the config itself (pyproject's contracts name this one import).
+        from fuseforge_flyte.config import get_config
         from fuseforge_flyte.training.distributed import _env_int
         from fuseforge_flyte.training.engine import train
 
         with _stdout_to_stderr():
-            metrics = train(spec)
+            metrics = train(spec, tracking_settings=get_config().tracking_settings())
     except Exception as err:
         if args.verbose or not user_errors.report(err, "--verbose"):
             raise

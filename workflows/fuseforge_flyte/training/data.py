@@ -34,13 +34,14 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from fuseforge.loss_args import IGNORE_INDEX  # re-exported: engine and tests import it from here
+from fuseforge_flyte.model_names import BYTE_VOCAB_SIZE, PRESETS, load_config
 
 log = logging.getLogger("fuseforge.training")
 
+# the byte tokenizer's special ids after the 256 bytes (model_names.BYTE_VOCAB_SIZE counts them)
 BOS_ID = 256
 EOS_ID = 257
 PAD_ID = 258
-BYTE_VOCAB_SIZE = 259
 
 SYNTHETIC = "bench:synthetic"
 BYTES = "bench:bytes"
@@ -166,16 +167,16 @@ class TrainingData:
     def check_fits(self, config) -> None:
         """Token ids and seq_len within the model's embedding and positions (ValueError naming both)."""
         if self.manifest is not None:
-            from fuseforge_flyte.data.checks import check_fits_model
+            from fuseforge_flyte.data.checks import DataNumbers, check_fits_model
 
-            check_fits_model(self.manifest, config)
+            check_fits_model(DataNumbers.of(self.manifest), config)
 
 
 def _cache_dir_for(data_spec) -> str:
     """One directory per DataSpec and source contents, in fuseforge's "data" cache: a rerun with the same
     inputs reuses it."""
+    from fuseforge_flyte.cache_dirs import cache_root
     from fuseforge_flyte.data.fingerprint import fingerprint
-    from fuseforge_flyte.training.models import cache_root  # models imports this module: import when used
 
     contents = fingerprint(data_spec.dataset, data_spec.eval_dataset, data_spec.tokenizer, data_spec.model)
     key = json.dumps([data_spec.__dict__, contents], sort_keys=True, default=str)
@@ -205,14 +206,13 @@ def check_prepared_fits(spec) -> None:
     """
     if resolve_benchmark(spec.dataset) is not None:
         return
-    from fuseforge_flyte.data.checks import check_fits_model
+    from fuseforge_flyte.data.checks import DataNumbers, check_fits_model
     from fuseforge_flyte.data.shards import read_manifest
-    from fuseforge_flyte.training.models import PRESETS, load_config
 
     manifest = read_manifest(spec.dataset)
     _check_seq_len(spec, manifest, spec.dataset)
     if spec.model not in PRESETS:
-        check_fits_model(manifest, load_config(spec.model))
+        check_fits_model(DataNumbers.of(manifest), load_config(spec.model))
 
 
 def fit_batch_to_data(spec, world_size: int) -> int:

@@ -14,7 +14,8 @@ from typing import Dict
 
 import torch
 
-from fuseforge_flyte.training.models import PRESETS, build_model, load_config
+from fuseforge_flyte.model_names import PRESETS, load_config
+from fuseforge_flyte.training.models import build_model
 from fuseforge_flyte.training.spec import TrainSpec
 
 log = logging.getLogger("fuseforge.training")

@@ -23,11 +23,11 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from fuseforge_flyte import run_outputs
 from fuseforge_flyte.console import ensure_console_logging
+from fuseforge_flyte.model_names import PRESETS, load_config
 from fuseforge_flyte.quiet import quiet_third_party
 from fuseforge_flyte.training import faults, fp8, lora
-from fuseforge_flyte.training import permanent, planner, preemption, tracking
+from fuseforge_flyte.training import outputs, permanent, planner, preemption, tracking
 from fuseforge_flyte.training.checkpoint import CheckpointManager, run_settings
 from fuseforge_flyte.training.compilation import compile_layers
 from fuseforge_flyte.training.data import (IGNORE_INDEX, DataPosition, Prefetcher, Sample, ShardedBatches,
@@ -37,9 +37,11 @@ from fuseforge_flyte.training.data import (IGNORE_INDEX, DataPosition, Prefetche
 from fuseforge_flyte.training.distributed import DistContext
 from fuseforge_flyte.training.metrics import (History, device_name, final_loss, peak_memory_gib, perplexity,
                                               reset_peak_memory, summarize)
-from fuseforge_flyte.training.models import PRESETS, build_model, load_config, model_flops, peak_flops
+from fuseforge_flyte.training.models import build_model, model_flops, peak_flops
+from fuseforge_flyte.training.plan import Plan
+from fuseforge_flyte.training.precision import compute_torch_dtype
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
-from fuseforge_flyte.training.strategies import Strategy, compute_torch_dtype, make_strategy, strategy_class
+from fuseforge_flyte.training.strategies import Strategy, make_strategy, strategy_class
 from fuseforge_flyte.training.validation import skipped_kernels
 
 log = logging.getLogger("fuseforge.training")
@@ -167,7 +169,7 @@ class _Run:
                                           after_save=after_checkpoint)
         self.plan = self._plan()
 
-    def _plan(self) -> Optional[planner.Plan]:
+    def _plan(self) -> Optional[Plan]:
         """plan='auto': probe layouts and train with the fastest that fits (training/planner.py).
 
         The global batch stays: the spec's, or after a restart on another world size the checkpoint's.
@@ -377,7 +379,7 @@ class _Run:
         from fuseforge_flyte.training.export import save_pretrained_model
 
         tokenizer_dir = self.data.tokenizer_dir if self.data is not None else None
-        model_dir = run_outputs.model_dir(self.spec.output_dir)
+        model_dir = outputs.model_dir(self.spec.output_dir)
         if self.lora:  # the adapter directory (PEFT format), merged model on request
             out = lora.save_adapter(self.strategy, self.ctx, self.spec, model_dir, tokenizer_dir)
         else:
@@ -421,11 +423,13 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
-def train(spec: TrainSpec, *, after_checkpoint: Optional[Callable[[str], None]] = None) -> TrainMetrics:
+def train(spec: TrainSpec, *, after_checkpoint: Optional[Callable[[str], None]] = None,
+          tracking_settings: Optional[tracking.TrackingSettings] = None) -> TrainMetrics:
     """Run `spec` in this worker process and return the metrics (identical on every rank).
 
     after_checkpoint: called on rank 0 with the checkpoint directory after each completed save (the Flyte
     task uploads it to its own checkpoint this way; see fuseforge_flyte.flyte_checkpoint).
+    tracking_settings: platform.toml's [tracking] (PlatformConfig.tracking_settings()); None: no tracking.
 
     On SIGTERM (an eviction) every rank finishes the step, checkpoints it and raises
     `preemption.Preempted` (step, checkpoint, metrics): a retriable failure whose restart redoes nothing.
@@ -438,7 +442,7 @@ def train(spec: TrainSpec, *, after_checkpoint: Optional[Callable[[str], None]] 
     try:
         if ctx.device.type == "cpu" and spec.dtype != "fp32" and ctx.is_main:
             log.info("CPU run: training in fp32 (dtype=%r applies on GPU)", spec.dtype)
-        tracker = tracking.start(spec, ctx.is_main)  # [tracking] of platform.toml; a missing library fails here
+        tracker = tracking.start(spec, ctx.is_main, tracking_settings)  # a missing library fails here
         run = _Run(spec, ctx, tracker, after_checkpoint)
         with preemption.sigterm_handler():  # SIGTERM: finish the step, checkpoint, raise Preempted
             steps_redone = run.resume()
@@ -454,7 +458,7 @@ def train(spec: TrainSpec, *, after_checkpoint: Optional[Callable[[str], None]] 
         if spec.output_dir:
             metrics.model_dir, metrics.output_dir = run.save_model(), spec.output_dir
             if ctx.is_main:
-                run_outputs.write_run_record(spec.output_dir, metrics, spec)
+                outputs.write_run_record(spec.output_dir, metrics, spec)
         if ctx.is_main:
             log.info("done: %d steps, final loss %.4f, %.0f tok/s, MFU %s, peak %.2f GiB", metrics.steps,
                      metrics.final_loss if math.isfinite(metrics.final_loss) else float("nan"),

@@ -14,12 +14,13 @@ from typing import Any, Callable, Dict, Optional, TypeVar
 
 import torch
 
+from fuseforge_flyte.environ import environment
 from fuseforge_flyte.training import permanent
 from fuseforge_flyte.training.checkpoint import check_resume_settings
 from fuseforge_flyte.training.distributed import SHARED_STORE_ENV
 from fuseforge_flyte.training.engine import train
-from fuseforge_flyte.training.environ import environment
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
+from fuseforge_flyte.training.tracking import TrackingSettings
 
 T = TypeVar("T")
 
@@ -30,15 +31,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(spec: TrainSpec, threads: Optional[int]) -> TrainMetrics:
+def _worker(spec: TrainSpec, threads: Optional[int], tracking_settings: Optional[TrackingSettings]) -> TrainMetrics:
     if threads:
         torch.set_num_threads(threads)  # also keeps OpenMP from deadlocking in forked workers
-    return permanent.run_worker(lambda: train(spec), int(os.environ.get("RANK", "0")))
+    return permanent.run_worker(lambda: train(spec, tracking_settings=tracking_settings),
+                                int(os.environ.get("RANK", "0")))
 
 
 def run_local(spec: TrainSpec, nproc: int = 2, *, max_restarts: int = 0, start_method: str = "spawn",
-              threads_per_worker: Optional[int] = 1) -> Dict[int, TrainMetrics]:
+              threads_per_worker: Optional[int] = 1,
+              tracking_settings: Optional[TrackingSettings] = None) -> Dict[int, TrainMetrics]:
     """Train `spec` on `nproc` local workers; {rank: metrics} of the last (successful) attempt.
+
+    tracking_settings: platform.toml's [tracking] for the workers (PlatformConfig.tracking_settings()); None: none.
 
     The agent gets TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (see distributed.py: restarts
     with the shared rendezvous store can read the dead attempt's addresses).
@@ -48,8 +53,8 @@ def run_local(spec: TrainSpec, nproc: int = 2, *, max_restarts: int = 0, start_m
     spec.validate()
     check_resume_settings(spec)  # a checkpoint of other settings: one error here, not one per worker
     with environment({SHARED_STORE_ENV: "1"}), permanent.failure_directory():
-        results = launch_local(_worker, nproc, spec, threads_per_worker, max_restarts=max_restarts,
-                               start_method=start_method)
+        results = launch_local(_worker, nproc, spec, threads_per_worker, tracking_settings,
+                               max_restarts=max_restarts, start_method=start_method)
     for result in results.values():
         permanent.raise_if_failed(result)
     return results

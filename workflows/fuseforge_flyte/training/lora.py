@@ -16,7 +16,6 @@ model as a Hugging Face directory, the adapter beside it in `adapter/`. Either c
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -24,11 +23,12 @@ from typing import Dict, List, Optional, Union
 
 import torch
 
-from fuseforge_flyte.data.spec import local_path
+from fuseforge_flyte.model_names import (PRESETS, adapter_base, adapter_dir, base_source, is_known_model, is_uri,
+                                         load_config, local_path)
+from fuseforge_flyte.training import precision
 
 log = logging.getLogger("fuseforge.training")
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_SUBDIR = "adapter"  # where a merged export keeps its adapter
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 GATED_MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -43,32 +43,6 @@ DEFAULT_TARGETS: Dict[str, List[str]] = {
     **dict.fromkeys(("mixtral", "qwen3_moe", "gpt_oss", "llama4_text"), ATTENTION + GATED_MLP),
 }
 ALL_LINEAR = "all-linear"
-
-
-def adapter_dir(name: str) -> Optional[str]:
-    """The local directory of a peft adapter (adapter_config.json, no full model weights), else None."""
-    path = local_path(name) if name else None
-    if not path or not os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
-        return None
-    from fuseforge_flyte.training.models import is_pretrained_dir
-
-    return None if is_pretrained_dir(path) else path
-
-
-def adapter_base(directory: str) -> str:
-    """The base model an adapter directory was trained on (its base_model_name_or_path)."""
-    with open(os.path.join(directory, ADAPTER_CONFIG), encoding="utf-8") as handle:
-        base = json.load(handle).get("base_model_name_or_path") or ""
-    if not base:
-        raise ValueError(f"TrainSpec.model: the adapter in {directory} names no base_model_name_or_path "
-                         "(set it in adapter_config.json to the model the adapter was trained on)")
-    return base
-
-
-def base_source(name: str) -> str:
-    """The model to build for `name`: an adapter directory's base, else `name` itself."""
-    directory = adapter_dir(name)
-    return adapter_base(directory) if directory else name
 
 
 def lora_on(spec) -> bool:
@@ -136,8 +110,6 @@ def _check(spec) -> None:
                              f"strategy={strategy!r}")
     directory = adapter_dir(spec.model)
     if directory:
-        from fuseforge_flyte.training.models import is_known_model
-
         base = adapter_base(directory)
         if not is_known_model(base):
             raise ValueError(f"TrainSpec.model: the adapter's base model {base!r} (adapter_config.json) is unknown")
@@ -155,8 +127,6 @@ def _check(spec) -> None:
 
 def _local_config(name: str):
     """The model's config when it is known without a download (preset, local path); else None."""
-    from fuseforge_flyte.training.models import PRESETS, is_uri, load_config
-
     local = local_path(name)
     if name in PRESETS or (local and os.path.exists(local) and not is_uri(name)):
         return load_config(name)
@@ -175,13 +145,10 @@ def frozen_dtype(spec, device: torch.device) -> Optional[torch.dtype]:
     fp32 (DDP's master weights; FSDP2, whose all-gather casts the fp32 adapters and reduces their gradients in
     fp32, and needs a uniform dtype among trainable parameters only); None keeps them as built (fp32 runs,
     fp16 autocast)."""
-    from fuseforge_flyte.training.precision import master_dtype_for
-    from fuseforge_flyte.training.strategies import compute_dtype, compute_torch_dtype
-
     if spec.strategy == "ddp":
-        return master_dtype_for(compute_dtype(spec, device), device)
-    if spec.strategy == "fsdp" and compute_dtype(spec, device) == "bf16":
-        return compute_torch_dtype(spec, device)
+        return precision.master_dtype_for(precision.compute_dtype(spec, device), device)
+    if spec.strategy == "fsdp" and precision.compute_dtype(spec, device) == "bf16":
+        return precision.compute_torch_dtype(spec, device)
     return None
 
 

@@ -1,4 +1,4 @@
-"""Models to train: built-in presets, config files, Hugging Face model directories/URIs or hub ids; their FLOPs.
+"""Building the model a name means (fuseforge_flyte.model_names says what names mean); its FLOPs and the GPU's peak.
 
 Presets are built from configs (random init, seeded, no download): tiny ones whose
 vocabulary fits the byte tokenizer, for CPU runs, and the shapes of public models
@@ -10,57 +10,17 @@ local cache first, since from_pretrained reads local directories and hub ids onl
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
-from fuseforge_flyte import hub
-from fuseforge_flyte.data.spec import is_uri, local_path
+from fuseforge_flyte.cache_dirs import cache_root
+from fuseforge_flyte.model_names import (BIN_SUFFIX, PRESETS, SAFETENSORS_SUFFIX, base_source, is_pretrained_dir,
+                                         is_uri, is_weight_file, load_config, local_path)
 from fuseforge_flyte.quiet import quiet_third_party
-from fuseforge_flyte.training.data import BYTE_VOCAB_SIZE
-
-_TINY = dict(vocab_size=BYTE_VOCAB_SIZE, num_hidden_layers=2, max_position_embeddings=4096)
-
-# name -> (model_type, config kwargs). Realistic shapes are those of the public checkpoints.
-PRESETS: Dict[str, tuple] = {
-    "tiny-llama": ("llama", dict(_TINY, hidden_size=64, intermediate_size=176, num_attention_heads=4,
-                                 num_key_value_heads=2)),
-    "tiny-qwen2": ("qwen2", dict(_TINY, hidden_size=96, intermediate_size=240, num_attention_heads=6,
-                                 num_key_value_heads=2)),
-    "tiny-qwen3": ("qwen3", dict(_TINY, hidden_size=64, intermediate_size=176, num_attention_heads=4,
-                                 num_key_value_heads=2, head_dim=16)),
-    "tiny-mistral": ("mistral", dict(_TINY, hidden_size=64, intermediate_size=160, num_attention_heads=4,
-                                     num_key_value_heads=1, sliding_window=None)),
-    "tiny-gemma2": ("gemma2", dict(_TINY, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
-                                   sliding_window=64, tie_word_embeddings=True)),
-    "llama-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                               num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                               rope_theta=500000.0, max_position_embeddings=131072,
-                               tie_word_embeddings=True)),
-    "llama3-8b": ("llama", dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                rope_theta=500000.0, max_position_embeddings=8192)),
-    "qwen2.5-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                                   num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                                   rope_theta=1000000.0, max_position_embeddings=32768,
-                                   tie_word_embeddings=True)),
-    "qwen2.5-7b": ("qwen2", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                                 num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                                 rope_theta=1000000.0, max_position_embeddings=32768)),
-    "mistral-7b": ("mistral", dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336,
-                                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                   rope_theta=1000000.0, max_position_embeddings=32768,
-                                   sliding_window=None)),
-    "gemma2-2b": ("gemma2", dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
-                                 num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
-                                 head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
-                                 max_position_embeddings=8192, tie_word_embeddings=True)),
-}
 
 # Dense (no sparsity) peak tensor-core FLOP/s per GPU, by substring of torch.cuda.get_device_name(),
 # most specific first. fp32 training is rated against the TF32 peak. Vendor data sheets.
@@ -81,131 +41,11 @@ PEAK_FLOPS = [
 PEAK_TFLOPS_ENV = "FUSEFORGE_PEAK_TFLOPS"  # override for GPUs missing from the table
 
 
-CACHE_ENV = "FUSEFORGE_CACHE"  # root of fuseforge's local caches (default ~/.cache/fuseforge)
-# files that hold Hugging Face weights; one of them next to config.json makes a directory a pretrained model
-_WEIGHT_SUFFIX = ".safetensors"
-_BIN_PREFIX, _BIN_SUFFIX = "pytorch_model", ".bin"
 # never downloaded with a remote model: other formats that can sit in the same directory
 _OTHER_WEIGHT_SUFFIXES = (".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack", ".onnx")
 
 
-def _known_protocol(name: str) -> bool:
-    import fsspec
-
-    protocol = name.split("://", 1)[0]
-    return protocol in fsspec.available_protocols()
-
-
-def is_known_model(name: str) -> bool:
-    """A preset, an existing local path (or file:// URI), an fsspec URI, or something shaped like an HF id."""
-    if name in PRESETS:
-        return True
-    name = _base_of_adapter(name)
-    local = local_path(name)
-    if local:
-        return os.path.exists(local) or (not is_uri(name) and _looks_like_hf_id(name))
-    return is_uri(name) and _known_protocol(name)
-
-
-def _base_of_adapter(name: str) -> str:
-    """A peft adapter directory stands for its base model here (training/lora.py adds the adapter)."""
-    from fuseforge_flyte.training.lora import base_source
-
-    return base_source(name)
-
-
-def _looks_like_hf_id(name: str) -> bool:
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and not name.startswith((".", "~"))
-
-
-def unknown_model_message(name: str, field: str = "model") -> str:
-    close = difflib.get_close_matches(name, sorted(PRESETS), n=1)
-    if close:
-        return f"TrainSpec.{field}: unknown model {name!r}: did you mean {close[0]!r}?"
-    return (f"TrainSpec.{field}: unknown model {name!r}: use a preset ({', '.join(sorted(PRESETS))}), "
-            f"a Hugging Face model directory or its fsspec URI (s3://, gs://, file://), a path to a config.json, "
-            f"or a Hugging Face id like 'org/name'")
-
-
-def _is_weight_file(filename: str) -> bool:
-    return filename.endswith(_WEIGHT_SUFFIX) or (filename.startswith(_BIN_PREFIX) and filename.endswith(_BIN_SUFFIX))
-
-
-def is_pretrained_dir(path: str) -> bool:
-    """A local directory with config.json and Hugging Face weights (safetensors or pytorch_model*.bin)."""
-    return (os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
-            and any(_is_weight_file(f) for f in os.listdir(path)))
-
-
-def _config_from_dict(raw: dict, where: str):
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    raw = dict(raw)
-    model_type = raw.pop("model_type", None)
-    if model_type not in CONFIG_MAPPING:
-        raise ValueError(f"TrainSpec.model: {where} has unknown or missing model_type {model_type!r}")
-    return CONFIG_MAPPING[model_type].from_dict(raw)
-
-
-def _remote_config_uri(uri: str) -> str:
-    return uri if uri.endswith(".json") else uri.rstrip("/") + "/config.json"
-
-
-def _read_remote_json(uri: str) -> dict:
-    import fsspec
-
-    try:
-        with fsspec.open(uri, "r", encoding="utf-8") as handle:
-            return json.load(handle)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"TrainSpec.model: {uri} does not exist (a model directory needs a config.json)") \
-            from None
-
-
-def load_config(name: str, vocab_size: Optional[int] = None, *, option: str = "model"):
-    """The transformers config for a preset, a config.json path or URI (or its directory) or an HF id
-    (`option`: the input that named it, for the message when the hub cannot be reached).
-
-    `vocab_size` sets a preset's vocabulary (a from-scratch model takes the data tokenizer's); it is
-    ignored for everything else, whose vocabulary is fixed by its config (the data layer checks the fit).
-    """
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    name = _base_of_adapter(name)
-    if name in PRESETS:
-        model_type, kwargs = PRESETS[name]
-        if vocab_size is not None:
-            if int(vocab_size) < 1:
-                raise ValueError(f"load_config({name!r}): vocab_size must be positive, got {vocab_size}")
-            kwargs = dict(kwargs, vocab_size=int(vocab_size))
-        return CONFIG_MAPPING[model_type](**kwargs)
-    local = local_path(name)
-    if local and os.path.exists(local):
-        path = os.path.join(local, "config.json") if os.path.isdir(local) else local
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"TrainSpec.model: {name} is a directory without a config.json")
-        with open(path, encoding="utf-8") as handle:
-            return _config_from_dict(json.load(handle), path)
-    if local and name.startswith("file://"):
-        raise FileNotFoundError(f"TrainSpec.model: {name} does not exist")
-    if is_uri(name):
-        uri = _remote_config_uri(name)
-        return _config_from_dict(_read_remote_json(uri), uri)
-    if _looks_like_hf_id(name):
-        return hub.load_hub_id(lambda: AutoConfig.from_pretrained(name), option=option, hub_id=name, what="model")
-    raise ValueError(unknown_model_message(name))
-
-
 # ---------------------------------------------------------------- remote model directories
-
-
-def cache_root(kind: str) -> str:
-    """One of fuseforge's local caches ("models": downloaded model directories, "data": data prepared by
-    the engine itself) under $FUSEFORGE_CACHE."""
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "fuseforge")
-    return os.path.join(root, kind)
 
 
 def _remote_listing(uri: str):
@@ -225,8 +65,8 @@ def _remote_listing(uri: str):
 def _wanted_files(names) -> list:
     """What from_pretrained reads: safetensors when there are some (else .bin), config and tokenizer files."""
     names = [n for n in names if not n.endswith(_OTHER_WEIGHT_SUFFIXES)]
-    if any(n.endswith(_WEIGHT_SUFFIX) for n in names):
-        names = [n for n in names if not (n.endswith(_BIN_SUFFIX) or n == "pytorch_model.bin.index.json")]
+    if any(n.endswith(SAFETENSORS_SUFFIX) for n in names):
+        names = [n for n in names if not (n.endswith(BIN_SUFFIX) or n == "pytorch_model.bin.index.json")]
     return sorted(names)
 
 
@@ -252,7 +92,7 @@ def fetch_model_dir(uri: str) -> str:
 
     fs, root, files = _remote_listing(uri)
     wanted = _wanted_files(files)
-    if "config.json" not in wanted or not any(_is_weight_file(n) for n in wanted):
+    if "config.json" not in wanted or not any(is_weight_file(n) for n in wanted):
         raise FileNotFoundError(f"TrainSpec.model: {uri} holds no Hugging Face model (needs config.json and "
                                 f"*.safetensors or pytorch_model*.bin; found {sorted(files)})")
     digest = hashlib.sha256(uri.rstrip("/").encode())
@@ -283,7 +123,7 @@ def _remote_is_pretrained(uri: str) -> bool:
     if uri.endswith(".json"):
         return False
     _, _, files = _remote_listing(uri)
-    return any(_is_weight_file(n) for n in files)
+    return any(is_weight_file(n) for n in files)
 
 
 def _pretrained_dir(name: str) -> Optional[str]:
@@ -323,7 +163,7 @@ def build_model(name: str, *, seed: int, device: torch.device, vocab_size: Optio
     quiet_third_party(cuda=torch.device(device).type == "cuda")  # before transformers loads its model code
     from transformers import AutoModelForCausalLM
 
-    name = _base_of_adapter(name)
+    name = base_source(name)
     pretrained = _pretrained_dir(name)
     if pretrained is not None:
         config = load_config(pretrained)

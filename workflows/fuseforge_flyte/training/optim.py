@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Dict, Iterable, List
 
@@ -33,27 +32,6 @@ def adamw(groups: List[Dict], lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=lr, betas=BETAS, eps=EPS, fused=fused or None)
 
 
-class WarmupCosine:
-    """LR multiplier: linear warmup over `warmup` steps, then cosine from 1 to MIN_LR_RATIO.
-
-    A class rather than a lambda so that LambdaLR's state_dict saves `warmup` and `total`, and a continued run
-    with other steps can retarget them (checkpoint.py). Not transformers' cosine-with-warmup: its lambda is a
-    partial that LambdaLR does not save, its warmup gives the first step lr 0, and its cosine is not clamped after
-    `total`; nor torch's chained LinearLR + CosineAnnealingLR, whose recursive form cannot take a new length.
-    """
-
-    def __init__(self, warmup: int, total: int):
-        self.warmup = warmup
-        self.total = total
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return (step + 1) / self.warmup
-        span = max(1, self.total - self.warmup)
-        progress = min(1.0, (step - self.warmup) / span)
-        return MIN_LR_RATIO + (1.0 - MIN_LR_RATIO) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 def master_adamw(groups: List[Dict], lr: float, masters) -> torch.optim.Optimizer:
     """The same AdamW over fp32 master weights (precision.MasterWeights), fused with writing the bf16 model
     (fuseforge.optim.MasterAdamW: same update and state names as torch's)."""
@@ -72,5 +50,14 @@ def divides_by_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
     return module is not None and isinstance(optimizer, module.MasterAdamW)
 
 
-def scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, total))
+def scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """transformers' cosine schedule with linear warmup, down to MIN_LR_RATIO of the peak: the schedule TRL's
+    trainers use too (posttrain/dpo.py asks for the same one), so a model trains on one schedule on either path.
+
+    The lr multiplier is step/warmup during the warmup (0 at the first step), then cosine from 1 to MIN_LR_RATIO
+    at step `total`. Its lambda is a functools.partial that LambdaLR's state_dict does not save: a resumed run
+    rebuilds it from its own settings (checkpoint/schedule.py)."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    return get_cosine_with_min_lr_schedule_with_warmup(optimizer, num_warmup_steps=warmup, num_training_steps=total,
+                                                       min_lr_rate=MIN_LR_RATIO)

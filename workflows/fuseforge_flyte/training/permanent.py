@@ -27,7 +27,8 @@ from typing import Callable, Iterator, Optional, TypeVar
 
 import torch
 
-from fuseforge_flyte.training.environ import environment
+from fuseforge_flyte.environ import environment
+from fuseforge_flyte.user_errors import WorkerUserError
 
 PERMANENT_FAILURE_DIR_ENV = "FUSEFORGE_PERMANENT_FAILURE_DIR"
 
@@ -38,8 +39,9 @@ class FirstStepOutOfMemory(RuntimeError):
     """Out of memory before the first step of a run finished: the same settings will not fit again."""
 
 
-class PermanentFailure(RuntimeError):
-    """Raised in the launching process: a worker failed in a way that retrying cannot fix."""
+class PermanentFailure(WorkerUserError):
+    """Raised in the launching process: a worker failed in a way that retrying cannot fix (a user error: one line
+    for the user, see user_errors)."""
 
 
 @dataclass

@@ -27,6 +27,17 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_dtype(spec, device: torch.device) -> str:
+    """The precision actually used: the spec's (TrainSpec.dtype) on GPU, fp32 on the CPU."""
+    return spec.dtype if device.type == "cuda" else "fp32"
+
+
+def compute_torch_dtype(spec, device: torch.device) -> torch.dtype:
+    return TORCH_DTYPES[compute_dtype(spec, device)]
+
 
 class MasterWeights:
     """fp32 masters for the trainable parameters of `model`, whose parameters become `dtype` copies."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+from fuseforge_flyte.training.plan import Plan
 
 CHECKPOINT_OFF = "off"  # checkpoint_dir value that turns checkpoints off, also where a default location exists
 
@@ -112,6 +113,11 @@ class TrainSpec:
         task found no default location, e.g. a local run)."""
         return None if self.checkpoint_dir in ("", CHECKPOINT_OFF) else self.checkpoint_dir
 
+    @property
+    def checkpoints_off(self) -> bool:
+        """checkpoint_dir turns checkpoints off altogether (CHECKPOINT_OFF)."""
+        return self.checkpoint_dir == CHECKPOINT_OFF
+
     def data_spec(self):
         """The fuseforge_flyte.data.DataSpec this run's dataset is prepared with."""
         from fuseforge_flyte.data.spec import DataSpec
@@ -175,7 +181,7 @@ class TrainMetrics:
     model_dir: str = ""  # where the trained model was written ("" when not saved)
     output_dir: str = ""  # the run's results: model/, metrics.json, settings.json ("" when not saved)
     fp8_linears: int = 0  # linear layers that computed in FP8 (TrainSpec.fp8; see training/fp8.py)
-    # the planner's choice and every probe it measured, as JSON (training/planner.py Plan.from_json);
+    # the planner's choice and every probe it measured, as JSON (training/plan.py Plan.from_json);
     # "" when the layout was used as given (plan='off', CPU, unsupported strategy)
     plan: str = ""
 
@@ -197,8 +203,6 @@ class TrainMetrics:
                                                       f"{self.eval_perplexity:.2f})" if self.eval_loss is not None else ""),
         ]
         if self.plan:
-            from fuseforge_flyte.training.planner import Plan
-
             rows.append(f"  plan: {Plan.from_json(self.plan).summary()}")
         if self.output_dir:
             rows.append(f"  output: {self.output_dir} (model/, metrics.json, settings.json)")

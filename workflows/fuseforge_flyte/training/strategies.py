@@ -2,7 +2,7 @@
 
 Each strategy wraps the model, owns the optimizer and LR schedule, runs one
 micro-batch forward/backward, applies the optimizer step, saves/loads its own
-training state (see checkpoint.py for the format choice per strategy), and gathers
+training state (checkpoint/manager.py says which format each strategy writes), and gathers
 the full fp32 weights under their plain transformers names for export (export.py).
 
 Precision: on GPU, DDP holds bf16 weights with fp32 master copies (precision.py; fp16 keeps fp32 weights
@@ -20,24 +20,14 @@ from typing import Dict, List, Optional
 
 import torch
 
-from fuseforge_flyte.training import lora, optim
+from fuseforge_flyte.training import lora, optim, precision
 from fuseforge_flyte.training.distributed import DistContext
 from fuseforge_flyte.training.lm_head import install_lm_head_guard
-from fuseforge_flyte.training.precision import MasterWeights, master_dtype_for
+from fuseforge_flyte.training.precision import TORCH_DTYPES, MasterWeights, master_dtype_for
 from fuseforge_flyte.training.models import decoder_layers
 from fuseforge_flyte.training.spec import TrainSpec
 
 STRATEGIES = ("ddp", "fsdp", "deepspeed")
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def compute_dtype(spec: TrainSpec, device: torch.device) -> str:
-    """The precision actually used: the spec's on GPU, fp32 on the CPU."""
-    return spec.dtype if device.type == "cuda" else "fp32"
-
-
-def compute_torch_dtype(spec: TrainSpec, device: torch.device) -> torch.dtype:
-    return _DTYPES[compute_dtype(spec, device)]
 
 
 def _weights_only_load(path: str, device: torch.device):
@@ -77,7 +67,7 @@ class Strategy:
         self.spec = spec
         self.ctx = ctx
         self.fused_loss = fused_loss  # fuseforge's fused loss computes from lm_head.weight directly
-        self.dtype = compute_dtype(spec, ctx.device)
+        self.dtype = precision.compute_dtype(spec, ctx.device)
         # LoRA: frozen weights are rebuilt from the model source on resume; state holds the trained ones only
         self.trained_only = lora.lora_on(spec)
         self.model: torch.nn.Module  # what forward is called on
@@ -204,7 +194,7 @@ class DDPStrategy(_TorchOptimized):
     def _autocast(self):
         if self.dtype == "fp32" or self.masters is not None:
             return contextlib.nullcontext()
-        return torch.autocast(self.ctx.device.type, dtype=_DTYPES[self.dtype])
+        return torch.autocast(self.ctx.device.type, dtype=TORCH_DTYPES[self.dtype])
 
     def _trained_parameters(self):
         return self.masters.named_parameters() if self.masters is not None else super()._trained_parameters()
@@ -308,7 +298,7 @@ class FSDPStrategy(_TorchOptimized):
         mesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
         kwargs: Dict = {"mesh": mesh}
         if self.dtype != "fp32":
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=_DTYPES[self.dtype], reduce_dtype=torch.float32)
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=TORCH_DTYPES[self.dtype], reduce_dtype=torch.float32)
         for layer in decoder_layers(model, "strategy='fsdp'"):
             fully_shard(layer, **kwargs)
         fully_shard(model, **kwargs)
@@ -374,7 +364,7 @@ def import_deepspeed():
 
 def deepspeed_config(spec: TrainSpec, world_size: int, device: torch.device) -> Dict:
     """The DeepSpeed config generated from the spec (no config file to keep in sync)."""
-    dtype = compute_dtype(spec, device)
+    dtype = precision.compute_dtype(spec, device)
     zero: Dict = {"stage": spec.zero_stage, "contiguous_gradients": True, "overlap_comm": device.type == "cuda"}
     if spec.offload:
         pin = device.type == "cuda"

@@ -1,7 +1,8 @@
 """Optional experiment tracking: rank 0 sends the metrics the engine logs to TensorBoard or Weights & Biases.
 
-Configured in platform.toml's [tracking] table (off by default). What is logged is what the progress lines
-print (train/loss, train/lr, train/tokens_per_s, train/step_time_s, train/data_wait_fraction,
+Configured in platform.toml's [tracking] table (off by default), which whoever runs the engine reads and
+hands in as TrackingSettings: the engine itself never reads the platform config. What is logged is what the
+progress lines print (train/loss, train/lr, train/tokens_per_s, train/step_time_s, train/data_wait_fraction,
 train/peak_memory_gib) at the same steps, eval/loss and eval/perplexity after each eval, and the run's summary
 at the end. The backend's library is looked up when the run starts, on every rank, so a missing one fails
 before any data is opened or model built rather than in a step (and is not retried: ImportError is permanent).
@@ -13,18 +14,30 @@ import dataclasses
 import importlib
 import importlib.util
 import logging
-import re
 import sys
-import time
 from typing import Any, Dict, Mapping, Optional
 
-from fuseforge_flyte.config import PlatformConfig, get_config
+from fuseforge_flyte.training.outputs import default_run_name
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 
 log = logging.getLogger("fuseforge.training")
 
 # backend -> the pip package it needs (also its top-level module); torch.utils.tensorboard needs `tensorboard`
 _PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TrackingSettings:
+    """platform.toml's [tracking] table as plain values (fuseforge_flyte.config checks and documents them), and
+    `source`, the file or variable it was read from, for error messages."""
+
+    backend: str  # "", "tensorboard" or "wandb"; "": off
+    project: str
+    entity: str
+    run_name: str
+    log_dir: str
+    mode: str
+    source: str
 
 
 class TrackingUnavailable(ImportError):
@@ -114,20 +127,12 @@ def _require(backend: str, source: str) -> None:
     )
 
 
-def default_run_name(model: str) -> str:
-    """<last part of the model name>-<UTC time>: readable and distinct per run."""
-    tail = re.sub(r"[^\w.-]+", "-", model.rstrip("/").rsplit("/", 1)[-1]).strip("-") or "run"
-    return f"{tail}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}"
-
-
-def start(spec: TrainSpec, is_main: bool, config: Optional[PlatformConfig] = None) -> Tracker:
-    """The tracker of this rank for `spec`, from platform.toml's [tracking] (`config`: a PlatformConfig
-    instead of the process's own, get_config(): in a pod, the config the task was registered with)."""
-    config = config if config is not None else get_config()
-    settings = config.tracking
-    if not settings.backend:
+def start(spec: TrainSpec, is_main: bool, settings: Optional[TrackingSettings] = None) -> Tracker:
+    """The tracker of this rank for `spec`, from platform.toml's [tracking] as `settings` (None: no tracking;
+    the Flyte task passes the config the task was registered with, PlatformConfig.tracking_settings())."""
+    if settings is None or not settings.backend:
         return Tracker()
-    _require(settings.backend, config.source)
+    _require(settings.backend, settings.source)
     if not is_main:
         return Tracker()
     name = settings.run_name or default_run_name(spec.model)

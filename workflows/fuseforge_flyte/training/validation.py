@@ -1,5 +1,8 @@
 """TrainSpec checks: every bad value is rejected before any process group or model exists.
 
+TrainSpec.validate() applies them. They read a spec through its fields only and import nothing of
+training/spec.py, so the contract can call them without an import cycle.
+
 Errors name the field (``TrainSpec.<field>``) and the allowed values, so a typo in a
 Flyte input or a CLI flag fails in seconds instead of after a cluster job starts.
 """
@@ -11,9 +14,8 @@ import math
 import typing
 
 from fuseforge_flyte.data.spec import DATA_FORMATS
+from fuseforge_flyte.model_names import is_known_model, unknown_model_message
 from fuseforge_flyte.training.data import BENCHMARK_DATASETS, resolve_benchmark
-from fuseforge_flyte.training.models import is_known_model, unknown_model_message
-from fuseforge_flyte.training.spec import CHECKPOINT_OFF
 
 CHOICES = {
     "strategy": ("ddp", "fsdp", "deepspeed"),
@@ -23,9 +25,6 @@ CHOICES = {
     "data_format": DATA_FORMATS,
     "plan": ("auto", "off"),  # see training/planner.py
 }
-# apply_kernels' switches a run may turn off (fuseforge.transformers.DEFAULT_FLAGS, minus cross_entropy, which
-# only serves models whose loss computes logits: it is off there by default).
-KERNEL_SWITCHES = ("rms_norm", "layer_norm", "rope", "swiglu", "fused_linear_cross_entropy", "lora")
 POSITIVE = ("steps", "batch_size", "grad_accum", "keep_last", "log_every")
 NON_NEGATIVE = ("warmup_steps", "checkpoint_every", "weight_decay", "grad_clip", "seed", "loss_chunk_size",
                 "eval_every")  # the lora_* settings: training/lora.py's check
@@ -64,10 +63,12 @@ def validate_spec(spec) -> None:
     for name, allowed in CHOICES.items():
         if getattr(spec, name) not in allowed:
             raise ValueError(f"TrainSpec.{name}: {getattr(spec, name)!r} is not one of {list(allowed)}")
-    unknown = [name for name in skipped_kernels(spec) if name not in KERNEL_SWITCHES]
+    skipped = skipped_kernels(spec)
+    switches = kernel_switches() if skipped else ()
+    unknown = [name for name in skipped if name not in switches]
     if unknown:
         raise ValueError(f"TrainSpec.skip_kernels: unknown kernel {unknown[0]!r}; use names from "
-                         f"{list(KERNEL_SWITCHES)}, separated by commas")
+                         f"{list(switches)}, separated by commas")
     if not spec.model or not is_known_model(spec.model):
         raise ValueError(unknown_model_message(spec.model))
     _check_distillation(spec)
@@ -76,8 +77,9 @@ def validate_spec(spec) -> None:
     lora.check(spec)
     _check_fp8_and_compile(spec)
     _check_data(spec)
-    if spec.checkpoint_every > 0 and spec.checkpoint_dir == CHECKPOINT_OFF:
-        raise ValueError(f"TrainSpec.checkpoint_every > 0 needs checkpoints, but TrainSpec.checkpoint_dir is {CHECKPOINT_OFF!r}")
+    if spec.checkpoint_every > 0 and spec.checkpoints_off:
+        raise ValueError(f"TrainSpec.checkpoint_every > 0 needs checkpoints, but TrainSpec.checkpoint_dir is "
+                         f"{spec.checkpoint_dir!r}")
     if spec.offload and spec.strategy != "deepspeed":
         raise ValueError(f"TrainSpec.offload applies to strategy='deepspeed' only, got strategy={spec.strategy!r}")
     if spec.strategy == "fsdp" and spec.dtype == "fp16":
@@ -116,6 +118,17 @@ def _check_distillation(spec) -> None:
     if not spec.kernels or "fused_linear_cross_entropy" in skipped_kernels(spec):
         raise ValueError("TrainSpec.teacher: distillation runs through the fused loss head (fused linear JSD); "
                          "turn kernels on and keep fused_linear_cross_entropy out of skip_kernels")
+
+
+def kernel_switches() -> tuple:
+    """apply_kernels' switches a run may turn off: fuseforge.transformers.DEFAULT_FLAGS minus cross_entropy (it only
+    serves models whose loss computes logits: it is off there by default), the norms first, as TrainSpec.skip_kernels'
+    help lists them. Imported when a run names kernels to skip, not with this module: fuseforge.transformers
+    defines the Triton kernels, which a launching process leaves to its workers (launch.py's interpreter decision)."""
+    from fuseforge.transformers import DEFAULT_FLAGS
+
+    switches = [name for name in DEFAULT_FLAGS if name != "cross_entropy"]
+    return tuple(sorted(switches, key=lambda name: not name.endswith("_norm")))
 
 
 def skipped_kernels(spec) -> list:
