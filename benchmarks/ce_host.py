@@ -37,7 +37,7 @@ def host_profile(fn, steps: int = 10, top: int = 18) -> str:
 
 def launch_costs() -> None:
     """Host microseconds per launch: a small Triton kernel against a small aten op."""
-    from fuseforge.ops._shared.targets import _BLOCK, _scan_targets_kernel
+    from fuseforge.ops.targets import _BLOCK, _scan_targets_kernel
 
     t = torch.randint(0, 100, (8192,), device="cuda")
     inv = torch.empty(1, device="cuda")

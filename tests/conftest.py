@@ -59,7 +59,7 @@ def _isolated_environment():
 def _no_deferred_target_errors_leak():
     """A bad class index found on the GPU after a test ended must not fail the next test's loss call."""
     yield
-    from fuseforge.ops._shared import targets
+    from fuseforge.ops import targets
 
     try:
         targets.raise_pending_target_errors(wait=True)
@@ -70,7 +70,7 @@ def _no_deferred_target_errors_leak():
 @pytest.fixture
 def sync_target_check(monkeypatch):
     """Bad class indices raise in the loss call itself, on the GPU too (TARGET_CHECK="sync")."""
-    from fuseforge.ops._shared import targets
+    from fuseforge.ops import targets
 
     monkeypatch.setattr(targets, "TARGET_CHECK", "sync")
 

@@ -24,7 +24,8 @@ from triton.compiler import ASTSource
 
 from fuseforge.ops import cross_entropy as ce
 from fuseforge.ops import glu, jsd, kl_div, layer_norm, master_adamw, nf4, rms_norm, rope
-from fuseforge.ops._shared import cross_entropy_tiles, rowwise, scaling, targets
+from fuseforge.ops import targets
+from fuseforge.ops._shared import cross_entropy_tiles, rowwise, scaling
 from fuseforge.ops._shared import vocab_major_cross_entropy as vm
 
 TARGET = GPUTarget("cuda", 90, 32)

@@ -58,9 +58,9 @@ def case(case_id, call, exc, match):
 
 
 def check(call, exc, match, ctx):
-    from fuseforge.ops._shared import targets
+    from fuseforge.ops import targets
 
-    ctx.monkeypatch.setattr(targets, "TARGET_CHECK", "sync")  # on a GPU, raise in the call (see ops/_shared/targets.py)
+    ctx.monkeypatch.setattr(targets, "TARGET_CHECK", "sync")  # on a GPU, raise in the call (see ops/targets.py)
     expect = pytest.warns if issubclass(exc, Warning) else pytest.raises
     with expect(exc, match=match):
         call(ctx)

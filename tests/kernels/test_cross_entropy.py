@@ -117,7 +117,7 @@ def test_gpu_rows_of_many_tiles(dtype):
 def test_gpu_bad_target_is_nan_now_and_raises_later():
     """TARGET_CHECK="async": no sync in the call; the loss is NaN, and the ValueError comes from
     raise_pending_target_errors, or from the next loss call once the GPU is done."""
-    from fuseforge.ops._shared import targets
+    from fuseforge.ops import targets
 
     logits = torch.randn(4, 10, requires_grad=True)
     bad = torch.tensor([0, 10, 1, -100])

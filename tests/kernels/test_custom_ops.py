@@ -248,7 +248,7 @@ def test_fused_linear_cross_entropy_compiled_with_frozen_weight(device):
 @pytest.mark.parametrize("op", ["cross_entropy", "fused_linear_cross_entropy"])
 def test_bad_class_index_raises_when_compiled(op, device, monkeypatch):
     """The range check runs inside the custom op (eagerly): still a ValueError naming the index."""
-    from fuseforge.ops._shared import targets as target_checks
+    from fuseforge.ops import targets as target_checks
 
     monkeypatch.setattr(target_checks, "TARGET_CHECK", "sync")  # on a GPU, raise in the call (targets.py)
     h, w = leaf(6, 16, device=device), leaf(37, 16, device=device)

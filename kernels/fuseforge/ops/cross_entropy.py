@@ -14,7 +14,7 @@ them in registers and exchanging the slices' statistics was built and measured o
 (session 3 in benchmarks/RESULTS.md): 2.2 ms at 8192 x 128256 against 1.70 ms for these
 kernels, whose three passes over HBM run at 3.7 TB/s; the group waits 4-10 us per row.
 
-Class indices are counted and range-checked on the device (ops/_shared/targets.py), so no path syncs
+Class indices are counted and range-checked on the device (ops/targets.py), so no path syncs
 with the host in forward or backward.
 
 All kernels take explicit strides, so they also run on a transposed view ([tokens, vocab]
@@ -47,7 +47,7 @@ from fuseforge.ops._shared.cross_entropy_tiles import (
     load_target_logit,
     store_split_stats,
 )
-from fuseforge.ops._shared.targets import raise_pending_target_errors, scan_targets
+from fuseforge.ops.targets import raise_pending_target_errors, scan_targets
 from fuseforge.ops._shared.utils import (
     TRAINING_DTYPES,
     check_device_supported,
@@ -387,7 +387,7 @@ def cross_entropy(
     Class indices outside [0, V) other than ignore_index get a NaN loss and raise ValueError:
     on a CUDA device without a host sync, from the first later fuseforge loss call (or this
     loss's backward) that runs after the GPU has checked them; at once with
-    fuseforge.ops._shared.targets.TARGET_CHECK = "sync", and always on the CPU (see ops/_shared/targets.py).
+    fuseforge.ops.targets.TARGET_CHECK = "sync", and always on the CPU (see ops/targets.py).
     """
     opts = check_loss_options(ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
     check_tensor("logits", logits, min_ndim=1, dtypes=TRAINING_DTYPES)

@@ -44,7 +44,7 @@ from fuseforge.ops.cross_entropy import (
     check_target,
 )
 from fuseforge.ops._shared.scaling import scale_unless_one
-from fuseforge.ops._shared.targets import raise_pending_target_errors, scan_targets
+from fuseforge.ops.targets import raise_pending_target_errors, scan_targets
 from fuseforge.ops._shared.utils import (
     TRAINING_DTYPES,
     check_device_supported,

@@ -39,7 +39,7 @@ from fuseforge.ops.fused_linear_cross_entropy import (
     fused_linear_cross_entropy,
 )
 from fuseforge.ops._shared.scaling import scale_unless_one
-from fuseforge.ops._shared.targets import raise_pending_target_errors, scan_targets
+from fuseforge.ops.targets import raise_pending_target_errors, scan_targets
 from fuseforge.checks import check_int64, check_positive
 from fuseforge.ops._shared.utils import TRAINING_DTYPES, check_device_supported, check_same_device, check_tensor
 from fuseforge.ops._shared.vocab_major_cross_entropy import vocab_major_loss_and_lse

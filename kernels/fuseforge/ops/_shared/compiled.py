@@ -12,7 +12,7 @@ Why not always the custom op: the dispatcher adds host overhead to every call, a
 training is host-bound on small ops. The public functions check their arguments at the boundary
 (plain Python, no host sync) and take the custom op only when `compiling()`.
 What cannot be traced runs inside the custom op's real implementation, which runs eagerly: the
-loss ops' class-index scan (ops/_shared/targets.py) and its ValueError on bad indices.
+loss ops' class-index scan (ops/targets.py) and its ValueError on bad indices.
 In-place reuse of saved buffers (swiglu's inplace_backward, cross_entropy's inplace_grad) is an
 eager-only memory saving: a custom op's outputs may not alias its inputs, so the compiled path
 writes gradients to fresh buffers (same values).

@@ -108,7 +108,7 @@ def scan_targets(target: torch.Tensor, n_classes: int, ignore_index: int, caller
     class indices of this call raise ValueError as TARGET_CHECK says (see the module docstring).
     """
     if TARGET_CHECK not in TARGET_CHECK_MODES:
-        raise ValueError(f"fuseforge.ops._shared.targets.TARGET_CHECK must be one of {TARGET_CHECK_MODES}, got {TARGET_CHECK!r}")
+        raise ValueError(f"fuseforge.ops.targets.TARGET_CHECK must be one of {TARGET_CHECK_MODES}, got {TARGET_CHECK!r}")
     raise_pending_target_errors()
     flat = target.reshape(-1)
     inv_count = torch.empty(1, dtype=torch.float32, device=target.device)
