@@ -72,7 +72,42 @@ def main() -> int:
     if device == "cuda":
         torch.cuda.empty_cache()
     print("after gc.collect():", gib(allocated()), flush=True)
+    if device == "cuda":
+        print_live_tensors(model, opt, device)
     return 0
+
+
+def print_live_tensors(model, opt, device: str, top: int = 6) -> None:
+    """The largest tensors on `device` Python still reaches that are not the model's or the optimizer's, each with the
+    chain of objects that refer to it (an autograd graph is kept alive by any one tensor of it)."""
+    import torch
+
+    known = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
+    known |= {id(p.grad) for p in model.parameters() if p.grad is not None}
+    known |= {id(v) for state in opt.state.values() for v in state.values() if torch.is_tensor(v)}
+    live = [o for o in gc.get_objects() if torch.is_tensor(o) and o.device.type == device and id(o) not in known]
+    live.sort(key=lambda t: -t.untyped_storage().nbytes())
+    print(f"live {device} tensors outside the model and optimizer: {len(live)}")
+    for t in live[:top]:
+        node = type(t.grad_fn).__name__ if t.grad_fn is not None else None
+        print(f"  {tuple(t.shape)} {t.dtype} {gib(t.untyped_storage().nbytes())} grad_fn={node}")
+        level = [t]
+        for depth in range(4):
+            nxt = []
+            for obj in level:
+                for ref in gc.get_referrers(obj):
+                    if ref is live or ref is level or ref is nxt or isinstance(ref, type(sys._getframe())):
+                        continue
+                    what = type(ref).__qualname__
+                    if isinstance(ref, dict):
+                        what += "{" + ", ".join(map(str, list(ref)[:6])) + "}"
+                    elif hasattr(ref, "__qualname__"):
+                        what += f" {getattr(ref, '__module__', '')}:{ref.__qualname__}"
+                    print("    " + "  " * depth + "<- " + what[:160])
+                    nxt.append(ref)
+            level = nxt[:4]
+            if not level:
+                break
 
 
 if __name__ == "__main__":

@@ -18,10 +18,14 @@ if not torch.cuda.is_available():
 os.environ["XDG_CONFIG_HOME"] = tempfile.mkdtemp(prefix="fuseforge-tests-config-")
 # flytekit's local task cache (~/.flyte/local-cache) outlives the test session, but the outputs its entries point
 # at live in the tests' temporary folders, which pytest removes: a later session would hit entries whose folder
-# is gone. One cache per test process instead.
-import flytekit.core.local_cache  # noqa: E402
-
-flytekit.core.local_cache.CACHE_LOCATION = tempfile.mkdtemp(prefix="fuseforge-tests-flyte-cache-")
+# is gone. One cache per test process instead. (A GPU machine with the kernel library alone has no flytekit: its
+# kernel and Hugging Face tests still run.)
+try:
+    import flytekit.core.local_cache  # noqa: E402
+except ImportError:
+    pass
+else:
+    flytekit.core.local_cache.CACHE_LOCATION = tempfile.mkdtemp(prefix="fuseforge-tests-flyte-cache-")
 
 import pytest  # noqa: E402
 

@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 from test_transformers_tiny_models import (  # noqa: E402
+    DEVICE,
     MOE_FAMILIES,
     single_thread,  # noqa: F401 - autouse fixture
     synthetic_batches,
@@ -216,8 +217,8 @@ def test_lora_on_the_lm_head_keeps_the_loss_unfused_and_says_so():
 def test_adapter_and_merged_exports_load_without_fuseforge_and_train_on(tmp_path):
     base_dir, adapter_dir, merged_dir = (str(tmp_path / n) for n in ("base", "adapter", "merged"))
     tiny_model("llama").save_pretrained(base_dir)
-    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32),
-                                lora_config(), autocast_adapter_dtype=False).train()
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).to(DEVICE)
+    model = peft.get_peft_model(base, lora_config(), autocast_adapter_dtype=False).train()
     ff.apply_kernels(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
     for batch in synthetic_batches(3):
@@ -238,7 +239,7 @@ def test_adapter_and_merged_exports_load_without_fuseforge_and_train_on(tmp_path
     assert_close(logits["merged"], expected.cpu(), FP32, magnitude=4)
 
     # training on from the adapter directory, patched: the adapter is trainable again and learns
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).to(DEVICE)
     again = peft.PeftModel.from_pretrained(base, adapter_dir, is_trainable=True).train()
     assert ff.apply_kernels(again).patched["lora"]
     opt = torch.optim.AdamW([p for p in again.parameters() if p.requires_grad], lr=LR)
@@ -252,6 +253,8 @@ def test_adapter_and_merged_exports_load_without_fuseforge_and_train_on(tmp_path
     assert again(**batch).loss < first
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke mode is the CPU's check of the GPU benchmark; a GPU "
+                    "machine runs the benchmark itself (Triton's interpreter there is not the one CI tests)")
 def test_lora_benchmark_runs_end_to_end_in_smoke_mode(tmp_path):
     """benchmarks/bench_lora.py --smoke: the GPU benchmark's whole path (build, peft, NF4, apply_kernels, the
     batch search, the table, the JSON) on a tiny model, so that a device call does not fail on a typo."""

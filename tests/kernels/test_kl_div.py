@@ -65,7 +65,8 @@ def target_gradient_terms(x64, y64, reduction, log_target, upstream):
     """The largest sum of |terms| of d loss / d target. That gradient is a difference, exp(y) (y - x) + exp(y) with
     log targets and (log y - x) + 1 without, which cancels where y - x (log y - x) nears -1: there the fp32 kernel's
     error is the rounding of the terms, not of their small difference (a scalar test drew y - x = -1.0026)."""
-    z = torch.zeros(torch.broadcast_shapes(x64.shape, y64.shape), dtype=torch.float64, requires_grad=True)
+    z = torch.zeros(torch.broadcast_shapes(x64.shape, y64.shape), dtype=torch.float64, device=x64.device,
+                    requires_grad=True)
     factor = torch.autograd.grad(REDUCE[reduction](z), z, upstream)[0].abs()  # upstream x the reduction's scale
     y, x = y64.detach(), x64.detach()
     terms = y.exp() * ((y - x).abs() + 1) if log_target else (y.log() - x).abs() + 1

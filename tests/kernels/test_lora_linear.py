@@ -55,7 +55,7 @@ def run(model, x, seed=0):
     torch.manual_seed(seed)
     x = x.detach().clone().requires_grad_(True)
     y = model(x)
-    grad_y = torch.linspace(-1, 1, y.numel(), dtype=torch.float64).reshape(y.shape).to(y.dtype)
+    grad_y = torch.linspace(-1, 1, y.numel(), dtype=torch.float64, device=y.device).reshape(y.shape).to(y.dtype)
     y.backward(grad_y)
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return y, x.grad, grads
@@ -132,10 +132,11 @@ def test_calls_peft_cannot_fuse_take_peft_forward():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_nf4_base_weight_matches_peft_over_the_dequantized_weight(dtype):
-    """QLoRA: NF4 base weights (torchao) under the fused layer equal peft over the dequantized weights."""
+def test_nf4_base_weight_matches_peft_over_the_dequantized_weight(dtype, device):
+    """QLoRA: NF4 base weights (torchao) under the fused layer equal peft over the dequantized weights (on a GPU the
+    dequantization is the Triton kernel's)."""
     pytest.importorskip("torchao")
-    model = lora_module(bias=False, in_features=64, out_features=32).to(dtype)
+    model = lora_module(bias=False, in_features=64, out_features=32).to(device, dtype)
     fused = copy.deepcopy(model)
     assert quantize_base_nf4(fused, block_size=16, scaler_block_size=8) == ["base_model.model.0.base_layer"]
     nf4 = fused.base_model.model[0].base_layer.weight
@@ -144,7 +145,7 @@ def test_nf4_base_weight_matches_peft_over_the_dequantized_weight(dtype):
     reference.base_model.model[0].base_layer.weight.data = nf4.get_original_weight().double()
     unfused = copy.deepcopy(reference).to(dtype)  # peft over the dequantized weight, in dtype
     apply_kernels(fused)
-    x = torch.randn(21, 64, dtype=torch.float64)
+    x = torch.randn(21, 64, dtype=torch.float64, device=device)
     y, gx, grads = run(fused, x.to(dtype))
     y_p, gx_p, grads_p = run(unfused, x.to(dtype))
     y_ref, gx_ref, grads_ref = run(reference, x.to(dtype).double())

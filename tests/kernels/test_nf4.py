@@ -31,13 +31,14 @@ def test_dequantize_refuses_plain_tensors():
         dequantize_nf4(torch.randn(4, 64))
 
 
-def test_lora_linear_over_nf4_dequantizes_with_the_kernel(monkeypatch):
-    weight = to_nf4(torch.randn(32, 64), 64, 8)
+def test_lora_linear_over_nf4_dequantizes_with_the_kernel(monkeypatch, device):
+    weight = to_nf4(torch.randn(32, 64, device=device), 64, 8)
     calls = []
     real = lora_op.dequantize_nf4
     monkeypatch.setattr(lora_op, "dequantize_nf4", lambda *a: calls.append(1) or real(*a))
-    x = torch.randn(5, 64, requires_grad=True)
-    a, b = torch.randn(4, 64, requires_grad=True), torch.randn(32, 4, requires_grad=True)
+    x = torch.randn(5, 64, device=device, requires_grad=True)
+    a = torch.randn(4, 64, device=device, requires_grad=True)
+    b = torch.randn(32, 4, device=device, requires_grad=True)
     lora_op.lora_linear(x, weight, a, b, 0.5).sum().backward()
     assert len(calls) == 2  # the forward's matmul and the backward's grad @ W
-    torch.testing.assert_close(x.grad, torch.ones(5, 32) @ (weight.get_original_weight() + 0.5 * b @ a))
+    torch.testing.assert_close(x.grad, torch.ones(5, 32, device=device) @ (weight.get_original_weight() + 0.5 * b @ a))
