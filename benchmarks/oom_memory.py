@@ -77,9 +77,27 @@ def main() -> int:
     return 0
 
 
-def print_live_tensors(model, opt, device: str, top: int = 6) -> None:
+def describe(obj) -> str:
+    """One line naming an object that holds memory alive: frames by code and line, dicts by their first keys."""
+    import types
+
+    if isinstance(obj, types.FrameType):
+        return f"frame {obj.f_code.co_filename.rsplit('/', 2)[-2:]}:{obj.f_lineno} {obj.f_code.co_qualname}"
+    if isinstance(obj, types.TracebackType):
+        return f"traceback at line {obj.tb_lineno}"
+    if isinstance(obj, BaseException):
+        return f"exception {type(obj).__name__}"
+    what = type(obj).__qualname__
+    if isinstance(obj, dict):
+        what += "{" + ", ".join(map(str, list(obj)[:6])) + "}"
+    elif hasattr(obj, "__qualname__"):
+        what += f" {getattr(obj, '__module__', '')}:{obj.__qualname__}"
+    return what[:200]
+
+
+def print_live_tensors(model, opt, device: str, top: int = 3, depth: int = 8) -> None:
     """The largest tensors on `device` Python still reaches that are not the model's or the optimizer's, each with the
-    chain of objects that refer to it (an autograd graph is kept alive by any one tensor of it)."""
+    chain of objects that refer to it, up to `depth` (an autograd graph is kept alive by any one tensor of it)."""
     import torch
 
     known = {id(t) for t in model.parameters()} | {id(t) for t in model.buffers()}
@@ -88,24 +106,21 @@ def print_live_tensors(model, opt, device: str, top: int = 6) -> None:
     live = [o for o in gc.get_objects() if torch.is_tensor(o) and o.device.type == device and id(o) not in known]
     live.sort(key=lambda t: -t.untyped_storage().nbytes())
     print(f"live {device} tensors outside the model and optimizer: {len(live)}")
+    here = sys._getframe()
     for t in live[:top]:
         node = type(t.grad_fn).__name__ if t.grad_fn is not None else None
         print(f"  {tuple(t.shape)} {t.dtype} {gib(t.untyped_storage().nbytes())} grad_fn={node}")
-        level = [t]
-        for depth in range(4):
+        level, seen = [t], {id(live), id(here)}
+        for step in range(depth):
             nxt = []
             for obj in level:
                 for ref in gc.get_referrers(obj):
-                    if ref is live or ref is level or ref is nxt or isinstance(ref, type(sys._getframe())):
+                    if id(ref) in seen or ref is level or ref is nxt:
                         continue
-                    what = type(ref).__qualname__
-                    if isinstance(ref, dict):
-                        what += "{" + ", ".join(map(str, list(ref)[:6])) + "}"
-                    elif hasattr(ref, "__qualname__"):
-                        what += f" {getattr(ref, '__module__', '')}:{ref.__qualname__}"
-                    print("    " + "  " * depth + "<- " + what[:160])
+                    seen.add(id(ref))
+                    print("    " + "  " * step + "<- " + describe(ref))
                     nxt.append(ref)
-            level = nxt[:4]
+            level = nxt[:3]
             if not level:
                 break
 
