@@ -74,6 +74,15 @@ def main() -> int:
     print("after gc.collect():", gib(allocated()), flush=True)
     if device == "cuda":
         print_live_tensors(model, opt, device)
+        # a small step launches every kernel again with small arguments: if memory drops now, what held it was
+        # tied to the last launch of each kernel, not to the failed step's graph as such
+        small = torch.randint(0, model.config.vocab_size, (1, 64), device=device)
+        model(input_ids=small, labels=small).loss.backward()
+        opt.zero_grad(set_to_none=True)
+        del small
+        gc.collect()
+        torch.cuda.empty_cache()
+        print("after one small step:", gib(allocated()), flush=True)
     return 0
 
 
