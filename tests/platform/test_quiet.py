@@ -52,3 +52,28 @@ def test_pyflyte_does_not_warn_about_bool_options_of_the_examples(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "is used more than once" not in done.stdout + done.stderr
     assert "register_constant" not in done.stderr
+
+
+def test_a_local_launch_sends_the_agents_failure_records_to_one_log_file(tmp_path):
+    """The agent's records about stopping workers (WARNING) and a worker's failure (ERROR) go to the log file; the
+    console gets one line naming it, and only for the failure (a stopped worker alone prints nothing)."""
+    done = _python(f"""
+        import logging, os
+        os.environ["FUSEFORGE_CACHE"] = {str(tmp_path)!r}
+        from fuseforge_flyte.quiet import ELASTIC_AGENT_LOGGER, worker_failures_to_log_file
+        agent = logging.getLogger(ELASTIC_AGENT_LOGGER)
+        logging.basicConfig(level=logging.INFO)
+        with worker_failures_to_log_file() as path:
+            agent.info("started")
+            agent.warning("Sending process 123 closing signal SIGTERM")
+            print("AFTER-WARNING", flush=True)
+            agent.error("failed (exitcode: 1) local_rank: 1 ... Traceback (most recent call last)")
+        print("LOG", path)
+    """, tmp_path)
+    assert done.returncode == 0, done.stderr
+    log_path = done.stdout.split("LOG ", 1)[1].strip()
+    written = Path(log_path).read_text()
+    assert "closing signal SIGTERM" in written and "Traceback" in written
+    assert "closing signal" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("torch elastic's report with its traceback") == 1, done.stderr
+    assert "started" in done.stderr  # records below WARNING pass as before

@@ -83,7 +83,10 @@ ELASTIC_AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
 
 
 class _ToFile(logging.Filter):
-    """Writes the logger's ERROR records to a file instead of letting them reach stderr; one warning names it."""
+    """Writes the logger's WARNING and ERROR records to a file instead of letting them reach stderr; an ERROR (a
+    worker's failure) is named by one warning. The warnings are the agent stopping the other workers after one
+    failed ("Sending process ... closing signal SIGTERM"): whether they appear depends on which worker exits first,
+    so they belong with the failure's report, not on the console."""
 
     def __init__(self, path: str):
         super().__init__()
@@ -91,12 +94,14 @@ class _ToFile(logging.Filter):
         self.formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
+        if record.levelno < logging.WARNING:
             return True
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         text = self.formatter.format(record)
         with open(self.path, "a", encoding="utf-8") as handle:
             handle.write(text + "\n")
+        if record.levelno < logging.ERROR:
+            return False
         from fuseforge_flyte.console import ensure_console_logging
 
         ensure_console_logging()
