@@ -66,6 +66,7 @@ def test_a_local_launch_sends_the_agents_failure_records_to_one_log_file(tmp_pat
         with worker_failures_to_log_file() as path:
             agent.info("started")
             agent.warning("Sending process 123 closing signal SIGTERM")
+            logging.getLogger("torch.multiprocessing.spawn").warning("Terminating process 124 via signal SIGTERM")
             print("AFTER-WARNING", flush=True)
             agent.error("failed (exitcode: 1) local_rank: 1 ... Traceback (most recent call last)")
         print("LOG", path)
@@ -73,7 +74,7 @@ def test_a_local_launch_sends_the_agents_failure_records_to_one_log_file(tmp_pat
     assert done.returncode == 0, done.stderr
     log_path = done.stdout.split("LOG ", 1)[1].strip()
     written = Path(log_path).read_text()
-    assert "closing signal SIGTERM" in written and "Traceback" in written
-    assert "closing signal" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "closing signal SIGTERM" in written and "Terminating process" in written and "Traceback" in written
+    assert "SIGTERM" not in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.count("torch elastic's report with its traceback") == 1, done.stderr
     assert "started" in done.stderr  # records below WARNING pass as before

@@ -80,6 +80,8 @@ def quiet_third_party(cuda: bool) -> None:
 
 # The logger of torch elastic's agent that reports a worker's failure with its traceback.
 ELASTIC_AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+# Where the launch says it stops the other workers after one failed (which ones appear depends on timing).
+STOPPING_WORKERS_LOGGERS = (ELASTIC_AGENT_LOGGER, "torch.multiprocessing.spawn")
 
 
 class _ToFile(logging.Filter):
@@ -116,9 +118,11 @@ def worker_failures_to_log_file() -> Iterator[str]:
     from fuseforge_flyte.user_errors import new_log_path
 
     path = new_log_path("workers")
-    logger, gate = logging.getLogger(ELASTIC_AGENT_LOGGER), _ToFile(path)
-    logger.addFilter(gate)
+    loggers, gate = [logging.getLogger(name) for name in STOPPING_WORKERS_LOGGERS], _ToFile(path)
+    for logger in loggers:
+        logger.addFilter(gate)
     try:
         yield path
     finally:
-        logger.removeFilter(gate)
+        for logger in loggers:
+            logger.removeFilter(gate)
