@@ -86,9 +86,10 @@ STOPPING_WORKERS_LOGGERS = (ELASTIC_AGENT_LOGGER, "torch.multiprocessing.spawn")
 
 class _ToFile(logging.Filter):
     """Writes the logger's WARNING and ERROR records to a file instead of letting them reach stderr; an ERROR (a
-    worker's failure) is named by one warning. The warnings are the agent stopping the other workers after one
-    failed ("Sending process ... closing signal SIGTERM"): whether they appear depends on which worker exits first,
-    so they belong with the failure's report, not on the console."""
+    worker's failure) is named by one warning. The warnings are the launch stopping the other workers after one
+    failed (torch elastic's "Sending process ... closing signal SIGTERM", torch.multiprocessing's "Terminating
+    process ... via signal SIGTERM"): whether they appear depends on which worker exits first, so they belong with
+    the failure's report, not on the console."""
 
     def __init__(self, path: str):
         super().__init__()

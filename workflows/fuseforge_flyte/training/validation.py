@@ -1,7 +1,7 @@
 """TrainSpec checks: every bad value is rejected before any process group or model exists.
 
 TrainSpec.validate() applies them. They read a spec through its fields only and import nothing of
-training/spec.py, so the contract can call them without an import cycle.
+training/spec.py, so TrainSpec can call them without an import cycle.
 
 Errors name the field (``TrainSpec.<field>``) and the allowed values, so a typo in a
 Flyte input or a CLI flag fails in seconds instead of after a cluster job starts.
