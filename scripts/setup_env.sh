@@ -31,7 +31,7 @@ if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-if ! "$PY" -c "import fuseforge, fuseforge_flyte, flytekit, pytest, trl, uv" >/dev/null 2>&1 || [ "${FUSEFORGE_REINSTALL:-0}" = 1 ]; then
+if ! "$PY" -c "import fuseforge, fuseforge_flyte, flytekit, pytest, trl, uv, material, mkdocstrings_handlers.python" >/dev/null 2>&1 || [ "${FUSEFORGE_REINSTALL:-0}" = 1 ]; then
     "$PY" -m pip install -q --upgrade pip
     # The default CPU index cannot be reached from some machines (no DNS for it): it would only add pip's
     # retries, so say so once and take torch from PyPI (on Linux x86_64 its CUDA build, which also runs
