@@ -31,6 +31,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from docs_text import page
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -484,10 +486,9 @@ def test_checkpoint_key_mounts_that_cannot_work_are_rejected(helm, umbrella, tmp
     assert message in proc.stderr, proc.stderr
 
 
-def test_readmes_document_the_checkpoint_key():
+def test_the_chart_readme_and_the_docs_document_the_checkpoint_key():
     chart_readme = (CHART / "README.md").read_text()
-    install = (ROOT / "README.md").read_text().split("## Install on a cluster", 1)[1].split("\n## ", 1)[0]
-    for text in (chart_readme, install):
+    for text in (chart_readme, page("cluster/security.md")):
         assert "checkpointKey.existingSecret" in text
         assert "rotat" in text.lower()
         assert "FUSEFORGE_CHECKPOINT_KEY_FILE" in text
@@ -1380,8 +1381,7 @@ def test_database_password_comes_from_an_existing_secret_over_tls():
     (volume,) = [v for v in flyte["deployment"]["extraVolumes"] if v["name"] == mount["name"]]
     assert mount["readOnly"] is True
     assert volume["secret"]["secretName"] and {"key": "password", "path": path.name} in volume["secret"]["items"]
-    readme = (ROOT / "README.md").read_text()
-    assert f"create secret generic {volume['secret']['secretName']}" in readme
+    assert f"create secret generic {volume['secret']['secretName']}" in page("cluster/install.md")
 
 
 def test_database_password_path_outside_a_secret_is_refused(helm, umbrella):

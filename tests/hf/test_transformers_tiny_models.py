@@ -440,12 +440,11 @@ def test_supported_model_types_cover_every_family():
     assert set(FAMILIES) == set(FAMILY_TABLE)  # every supported family has a tiny model in these tests
 
 
-def test_readme_table_of_supported_models_is_the_family_table():
-    """The README's table is families.fused_table() verbatim: one source of truth."""
-    from pathlib import Path
+def test_the_docs_table_of_supported_models_is_the_family_table():
+    """The docs' table (docs/kernels/patching.md) is families.fused_table() verbatim: one source of truth."""
+    from docs_text import page
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    assert fused_table() in readme, "README's supported-models table is stale: paste families.fused_table()"
+    assert fused_table() in page("kernels/patching.md"), "the supported-models table is stale: paste families.fused_table()"
 
 
 def test_synthetic_batches_are_learnable_and_masked():
