@@ -11,37 +11,17 @@ import (
 	"fmt"
 	"log/slog"
 	"net"
-	"net/http"
-	"net/url"
 	"os"
 	"os/exec"
 	"os/signal"
-	"path/filepath"
 	"strings"
 	"syscall"
-	"time"
 
 	"fuseforge.dev/cluster/node/config"
-	"fuseforge.dev/cluster/node/dns"
-	"fuseforge.dev/cluster/node/kubeclient"
-	"fuseforge.dev/cluster/node/kubeletapi"
-	"fuseforge.dev/cluster/node/nodeinfo"
-	"fuseforge.dev/cluster/node/provider"
 	"fuseforge.dev/cluster/node/runtime"
-	vklog "github.com/virtual-kubelet/virtual-kubelet/log"
-	vkslog "github.com/virtual-kubelet/virtual-kubelet/log/slog"
-	"github.com/virtual-kubelet/virtual-kubelet/node"
-	"github.com/virtual-kubelet/virtual-kubelet/node/nodeutil"
-	"golang.org/x/sys/unix"
 	v1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/labels"
-	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/kubernetes/scheme"
-	corev1client "k8s.io/client-go/kubernetes/typed/core/v1"
 	corev1listers "k8s.io/client-go/listers/core/v1"
-	"k8s.io/client-go/tools/clientcmd"
-	"k8s.io/client-go/tools/record"
-	"k8s.io/klog/v2"
 )
 
 // nsMarker tells the re-executed node that it already runs in its own mount namespace.
@@ -100,160 +80,48 @@ func reexecInPrivateMountNamespace() int {
 	return 0
 }
 
+// serve runs the node until SIGTERM, SIGINT or SIGHUP (exit 0, after every pod
+// is stopped) or until the node controller fails (exit 1). Each step is a
+// function of steps.go; a step that fails is logged and the node exits 1.
 func serve(cfg *config.Config) int {
-	level := slog.LevelInfo
-	if cfg.Verbose {
-		level = slog.LevelDebug
+	logger := setUpLogging(cfg.Verbose)
+	if err := makeMountsPrivate(); err != nil {
+		return fatal(logger, err)
 	}
-	logger := slog.New(quietConflicts{Handler: slog.NewTextHandler(os.Stderr, &slog.HandlerOptions{Level: level})})
-	slog.SetDefault(logger)
-	vklog.L = vkslog.FromSlog(logger)
-	klog.SetSlogLogger(logger)
-	fatal := func(msg string, err error) int {
-		logger.Error(msg, "err", err)
-		return 1
-	}
-	// Mounts made here must not reach the host; the host's still reach us.
-	if err := unix.Mount("", "/", "", unix.MS_REC|unix.MS_SLAVE, ""); err != nil {
-		return fatal("making the node's mounts private", err)
-	}
-
-	restCfg, err := clientcmd.BuildConfigFromFlags("", cfg.Kubeconfig)
+	client, apiPort, err := connect(cfg)
 	if err != nil {
-		return fatal("reading --kubeconfig", err)
+		return fatal(logger, err)
 	}
-	restCfg.UserAgent = "fuseforge-node/" + cfg.NodeName
-	client, err := kubernetes.NewForConfig(restCfg)
-	if err != nil {
-		return fatal("building client", err)
-	}
-	apiPort := "443"
-	if u, err := url.Parse(restCfg.Host); err == nil && u.Port() != "" {
-		apiPort = u.Port()
-	}
-
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	sigs := make(chan os.Signal, 2)
 	signal.Notify(sigs, syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
 
-	version := ""
-	for i := 0; ; i++ {
-		v, err := client.Discovery().ServerVersion()
-		if err == nil {
-			version = v.GitVersion
-			break
-		}
-		if i == 60 {
-			return fatal("API server not reachable", err)
-		}
-		select {
-		case <-sigs:
-			return 0
-		case <-time.After(time.Second):
-		}
+	version, err := waitForAPIServer(client, sigs)
+	if errors.Is(err, errSignalled) {
+		return 0
+	} else if err != nil {
+		return fatal(logger, err)
 	}
-
-	if err := provider.CleanStateDir(cfg.StateDir); err != nil {
-		return fatal("cleaning the state dir", err)
+	if err := cleanUpEarlierRun(ctx, cfg, client, logger); err != nil {
+		return fatal(logger, err)
 	}
-	if n, err := provider.MarkOrphans(ctx, client, cfg.NodeName); err != nil {
-		logger.Warn("marking pods of an earlier run as failed", "err", err)
-	} else if n > 0 {
-		logger.Info("pods of an earlier run of this node set Failed (NodeRestarted)", "count", n)
-	}
-
-	eb := record.NewBroadcaster()
-	eb.StartRecordingToSink(&corev1client.EventSinkImpl{Interface: client.CoreV1().Events("")})
-	defer eb.Shutdown()
-	recorder := eb.NewRecorder(scheme.Scheme, v1.EventSource{Component: "kubelet", Host: cfg.NodeName})
-
-	nodeSpec := nodeinfo.Build(cfg, version+"-hostprocess")
-	var prov *provider.Provider
-	var podLister corev1listers.PodLister
-	var svcLister corev1listers.ServiceLister
-	var handler http.Handler
-	newProvider := func(pc nodeutil.ProviderConfig) (nodeutil.Provider, node.NodeProvider, error) {
-		podLister, svcLister = pc.Pods, pc.Services
-		prov = provider.New(provider.Config{
-			Node: cfg, Client: client, Pods: pc.Pods, Services: pc.Services, Recorder: recorder,
-			Allocatable: nodeSpec.Status.Allocatable, APIPort: apiPort, HostPath: os.Getenv("PATH"), Log: logger,
-		})
-		return prov, nil, nil
-	}
-	// nodeutil builds a default client from $KUBECONFIG before our options
-	// replace it; point it at ours so it does not warn about in-cluster config.
-	os.Setenv("KUBECONFIG", cfg.Kubeconfig)
-	n, err := nodeutil.NewNode(cfg.NodeName, newProvider,
-		nodeutil.WithClient(kubeclient.ForNodeUtil(client)),
-		nodeutil.WithTLSConfig(
-			nodeutil.WithKeyPairFromPath(cfg.TLSCert, cfg.TLSKey),
-			nodeutil.WithCAFromPath(cfg.ClientCA),
-		),
-		func(c *nodeutil.NodeConfig) error {
-			c.NodeSpec = nodeSpec
-			c.HTTPListenAddr = cfg.KubeletAddress
-			c.SkipDownwardAPIResolution = true
-			c.EventRecorder = recorder
-			c.NumWorkers = 4
-			c.InformerResyncPeriod = time.Minute
-			c.Handler = http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { handler.ServeHTTP(w, r) })
-			return nil
-		},
-	)
+	recorder, stopEvents := startEvents(client, cfg.NodeName)
+	defer stopEvents()
+	hn, err := newHostNode(cfg, client, recorder, version, apiPort, logger)
 	if err != nil {
-		return fatal("setting up the node", err)
+		return fatal(logger, err)
 	}
-	handler = kubeletapi.Handler(prov.GetContainerLogs, prov.GetPods, prov.PodsFromKubernetes)
-
-	dnsServer := &dns.Server{
-		Domain:   cfg.ClusterDomain,
-		Lookup:   listerLookup{pods: podLister, services: svcLister},
-		Upstream: upstreamResolver(cfg.DNSIP),
-		Timeout:  2 * time.Second,
-	}
-	if err := dnsServer.ListenAndServe(cfg.DNSAddress); err != nil {
-		return fatal("starting cluster DNS on "+cfg.DNSAddress, err)
+	dnsServer, err := startDNS(cfg, hn)
+	if err != nil {
+		return fatal(logger, err)
 	}
 	defer dnsServer.Shutdown()
 
-	nodeCtx, stopNode := context.WithCancel(ctx)
+	stopNode := hn.start(ctx, cfg, logger)
 	defer stopNode()
-	go func() { _ = n.Run(nodeCtx) }()
-	readyCtx, readyCancel := context.WithTimeout(ctx, 2*time.Minute)
-	go func() {
-		defer readyCancel()
-		if err := n.WaitReady(readyCtx, 0); err == nil {
-			logger.Info("node ready", "node", cfg.NodeName, "kubelet", cfg.KubeletAddress, "dns", cfg.DNSAddress,
-				"cpu", cfg.CPUs.String(), "memory", cfg.Memory.String(), "gpus", cfg.GPUs, "kubeletVersion", nodeSpec.Status.NodeInfo.KubeletVersion)
-		}
-	}()
-
-	code := 0
-	select {
-	case s := <-sigs:
-		logger.Info("stopping: terminating pods", "signal", s.String())
-	case <-n.Done():
-		logger.Error("node controller stopped", "err", n.Err())
-		code = 1
-	}
-	go func() {
-		for s := range sigs {
-			logger.Info("already stopping; waiting for pods' grace periods", "signal", s.String())
-		}
-	}()
-	sctx, scancel := context.WithTimeout(context.Background(), 10*time.Minute)
-	prov.Shutdown(sctx)
-	scancel()
-	stopNode()
-	select {
-	case <-n.Done():
-	case <-time.After(10 * time.Second):
-	}
-	if err := os.RemoveAll(filepath.Join(cfg.StateDir, "pods")); err != nil {
-		logger.Warn("removing pod directories", "err", err)
-	}
-	logger.Info("node stopped")
+	code := waitForStop(sigs, hn, logger)
+	hn.shutDown(sigs, stopNode, cfg.StateDir, logger)
 	return code
 }
 
