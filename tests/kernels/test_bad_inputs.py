@@ -300,6 +300,7 @@ PREFERENCE_CASES = [
     case("fused_linear_grpo_loss-beta-needs-reference", lambda c: _pref(F.fused_linear_grpo_loss, c, advantages=c.randn(4), beta=0.04), ValueError, "GRPO with beta=0.04 needs a reference model"),
     case("fused_linear_grpo_loss-loss_type", lambda c: _pref(F.fused_linear_grpo_loss, c, advantages=c.randn(4), loss_type="ppo"), ValueError, "unknown loss_type 'ppo'"),
     case("fused_linear_token_logprobs-temperature", lambda c: _pref(F.fused_linear_token_logprobs, c, temperature=0.0), ValueError, "temperature must be a finite number > 0"),
+    case("fused_linear_token_logprobs-int-hidden-tempered", lambda c: _pref(F.fused_linear_token_logprobs, c, hidden=c.ints(3, 4, 5, 6), temperature=2.0), TypeError, r"hidden must have dtype in \(float32, float16, bfloat16\), got int64"),
     case("fused_linear_token_objective-token_loss", lambda c: _pref(F.fused_linear_token_objective, c, token_loss=3), TypeError, "token_loss must be callable, got int"),
 ]
 FUNCTIONAL_CASES += PREFERENCE_CASES

@@ -433,6 +433,14 @@ def test_fused_linear_jsd_rejects_bad_input(device):
         fused_linear_jsd(hs, ws, ht[:3], wt)
     with pytest.raises(TypeError, match="student_weight has dtype"):
         fused_linear_jsd(hs, ws.detach().half(), ht, wt)
+    with pytest.raises(TypeError, match="teacher_weight has dtype"):
+        fused_linear_jsd(hs, ws, ht, wt.half())
+    # The heads do not run in the autocast dtype, so autocast does not excuse a mismatch.
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16), \
+            pytest.raises(TypeError, match="student_weight has dtype torch.bfloat16 .*; cast them to one dtype$"):
+        fused_linear_jsd(hs, ws.detach().bfloat16(), ht, wt)
+    with pytest.raises(TypeError, match=r"target must have dtype in \(int64, int32\), got int16"):
+        fused_linear_jsd(hs, ws, ht, wt, torch.zeros(4, dtype=torch.int16, device=device))
     with pytest.raises(ValueError, match="temperature"):
         fused_linear_jsd(hs, ws, ht, wt, temperature=0.0)
     with pytest.raises(ValueError, match="beta"):

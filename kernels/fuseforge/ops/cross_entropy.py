@@ -52,27 +52,12 @@ from fuseforge.ops._shared.utils import (
     TRAINING_DTYPES,
     check_device_supported,
     check_same_device,
+    check_target,
     check_tensor,
     is_interpreter,
     may_overlap,
     num_programs_hint,
 )
-
-
-def check_target(target: object, expected_shape: torch.Size, what: str) -> torch.Tensor:
-    """Class-index targets only: integer dtype, shape equal to the logits' leading dims."""
-    if not isinstance(target, torch.Tensor):
-        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
-    if target.is_floating_point() or target.is_complex():
-        raise TypeError(
-            f"target must hold integer class indices (int64), got dtype {target.dtype}; "
-            "probability (soft) targets are not supported"
-        )
-    if target.dtype == torch.bool:
-        raise TypeError("target must hold integer class indices (int64), got dtype torch.bool")
-    if target.shape != expected_shape:
-        raise ValueError(f"target must have shape {tuple(expected_shape)} ({what}), got {tuple(target.shape)}")
-    return target
 
 
 # --------------------------------------------------------------------------------------

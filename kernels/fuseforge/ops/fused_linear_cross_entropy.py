@@ -38,20 +38,10 @@ from torch.autograd.function import once_differentiable
 
 from fuseforge.ops._shared.compiled import compiling
 from fuseforge.loss_args import IGNORE_INDEX, LossOptions, MIN_CHUNK_TOKENS, check_chunk_size, check_loss_options
-from fuseforge.ops.cross_entropy import (
-    ce_forward_stats,
-    ce_write_grad,
-    check_target,
-)
+from fuseforge.ops.cross_entropy import ce_forward_stats, ce_write_grad
+from fuseforge.ops._shared.lm_head import check_lm_head_inputs
 from fuseforge.ops._shared.scaling import scale_unless_one
 from fuseforge.ops.targets import raise_pending_target_errors, scan_targets
-from fuseforge.ops._shared.utils import (
-    TRAINING_DTYPES,
-    check_device_supported,
-    check_same_device,
-    check_same_dtype,
-    check_tensor,
-)
 from fuseforge.ops._shared.vocab_major_cross_entropy import vocab_major_grad_in_place, vocab_major_loss_and_lse
 
 # Logits scratch per chunk (and the grad_weight slice temporary), the only O(V) extra memory.
@@ -444,28 +434,9 @@ def fused_linear_cross_entropy(
     grad_weight is accumulated in the weight's dtype (one rounding per chunk).
     """
     opts = check_loss_options(ignore_index, reduction, label_smoothing, z_loss_scale, softcap)
-    check_tensor("hidden", hidden, min_ndim=1, dtypes=TRAINING_DTYPES)
-    check_tensor("weight", weight, ndim=2, dtypes=TRAINING_DTYPES)
-    if bias is not None:
-        check_tensor("bias", bias, ndim=1, dtypes=TRAINING_DTYPES)
-    check_target(target, hidden.shape[:-1], "hidden.shape[:-1]")
-    check_same_device(hidden=hidden, weight=weight, bias=bias, target=target)
-    check_device_supported("hidden", hidden)
+    check_lm_head_inputs(hidden, weight, bias, target)
     hidden, weight, bias = _autocast_inputs(hidden, weight, bias)
     n_vocab, n_hidden = weight.shape
-    if n_vocab == 0:
-        raise ValueError(f"weight must have at least one row (vocabulary entry), got shape {tuple(weight.shape)}")
-    if hidden.shape[-1] != n_hidden:
-        raise ValueError(
-            f"hidden has {hidden.shape[-1]} features (shape {tuple(hidden.shape)}) but weight expects "
-            f"{n_hidden} (weight shape {tuple(weight.shape)} is [vocab, hidden])"
-        )
-    if bias is not None and bias.shape[0] != n_vocab:
-        raise ValueError(f"bias has {bias.shape[0]} entries but weight has {n_vocab} rows: vocabulary sizes differ")
-    try:
-        check_same_dtype(hidden=hidden, weight=weight, bias=bias)
-    except TypeError as err:
-        raise TypeError(f"{err}; cast them to one dtype or run under torch.autocast") from None
     chunk = check_chunk_size(chunk_size) or default_chunk_tokens(
         n_vocab, hidden.element_size(), hidden.numel() * hidden.element_size()
     )

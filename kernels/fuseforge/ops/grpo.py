@@ -42,13 +42,13 @@ import torch
 from fuseforge.loss_args import IGNORE_INDEX
 from fuseforge.ops.preference import check_choice, check_nonnegative
 from fuseforge.ops.token_logprobs import (
-    check_lm_head_inputs,
     check_reference_inputs,
     fused_linear_token_logprobs,
     fused_linear_token_objective,
     reference_token_logprobs,
 )
 from fuseforge.checks import check_int64, check_positive
+from fuseforge.ops._shared.lm_head import check_lm_head_inputs
 from fuseforge.ops._shared.utils import FLOAT_DTYPES, check_same_device, check_tensor
 
 GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo")

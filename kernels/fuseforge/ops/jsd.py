@@ -32,11 +32,11 @@ from torch.autograd.function import once_differentiable
 
 from fuseforge.loss_args import IGNORE_INDEX, MIN_CHUNK_TOKENS, check_chunk_size
 from fuseforge.checks import check_int64, check_positive, check_reduction
+from fuseforge.ops._shared.lm_head import check_lm_head_inputs
 from fuseforge.ops._shared.utils import (
     TRAINING_DTYPES,
     check_device_supported,
     check_same_device,
-    check_same_dtype,
     check_tensor,
     is_interpreter,
     row_launch_config,
@@ -439,43 +439,25 @@ def fused_linear_jsd(
     the mean. The loss is not multiplied by T^2 (multiply it yourself for Hinton-style scaling).
     Teacher tensors are constants: they get no gradient.
     """
-    check_tensor("student_hidden", student_hidden, min_ndim=2, dtypes=TRAINING_DTYPES)
-    check_tensor("student_weight", student_weight, ndim=2, dtypes=TRAINING_DTYPES)
-    check_tensor("teacher_hidden", teacher_hidden, min_ndim=2, dtypes=TRAINING_DTYPES)
-    check_tensor("teacher_weight", teacher_weight, ndim=2, dtypes=TRAINING_DTYPES)
-    check_same_dtype(student_hidden=student_hidden, student_weight=student_weight)
-    check_same_dtype(teacher_hidden=teacher_hidden, teacher_weight=teacher_weight)
-    if student_weight.shape[1] != student_hidden.shape[-1]:
-        raise ValueError(
-            f"student_weight must have shape [V, {student_hidden.shape[-1]}] to match student_hidden's hidden size, "
-            f"got {tuple(student_weight.shape)}"
-        )
-    if teacher_weight.shape[1] != teacher_hidden.shape[-1]:
-        raise ValueError(
-            f"teacher_weight must have shape [V, {teacher_hidden.shape[-1]}] to match teacher_hidden's hidden size, "
-            f"got {tuple(teacher_weight.shape)}"
-        )
+    # Each head on its own (target against the student's tokens; the teacher's must be the same ones). The heads
+    # do not run in the autocast dtype: each head's hidden and weight must share a dtype (the two heads need not).
+    check_lm_head_inputs(student_hidden, student_weight, None, target, prefix="student_", min_ndim=2,
+                         target_dtypes=INDEX_DTYPES, autocast=False)
+    check_lm_head_inputs(teacher_hidden, teacher_weight, None, None, prefix="teacher_", min_ndim=2, autocast=False)
+    check_same_device(student_hidden=student_hidden, teacher_hidden=teacher_hidden)
     if student_weight.shape[0] != teacher_weight.shape[0]:
         raise ValueError(
             f"vocabulary size mismatch: student_weight has V={student_weight.shape[0]} but teacher_weight has "
             f"V={teacher_weight.shape[0]}; student and teacher must share one vocabulary"
         )
-    if student_weight.shape[0] == 0:
-        raise ValueError("student_weight has an empty vocabulary (V = 0)")
     if teacher_hidden.shape[:-1] != student_hidden.shape[:-1]:
         raise ValueError(
             f"teacher_hidden has leading shape {tuple(teacher_hidden.shape[:-1])} but student_hidden has "
             f"{tuple(student_hidden.shape[:-1])}; they must cover the same tokens"
         )
-    _check_target(target, student_hidden.shape[:-1], "student_hidden")
     beta = check_beta(beta)
     temperature = check_positive("temperature", temperature)
     chunk_size = check_chunk_size(chunk_size)
-    check_same_device(
-        student_hidden=student_hidden, student_weight=student_weight, teacher_hidden=teacher_hidden,
-        teacher_weight=teacher_weight, target=target,
-    )
-    check_device_supported("student_hidden", student_hidden)
 
     hidden = student_hidden.shape[-1]
     h_s = student_hidden.reshape(-1, hidden).contiguous()

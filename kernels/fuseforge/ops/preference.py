@@ -55,13 +55,13 @@ import torch.nn.functional as F
 
 from fuseforge.loss_args import IGNORE_INDEX
 from fuseforge.ops.token_logprobs import (
-    check_lm_head_inputs,
     check_reference_inputs,
     fused_linear_sequence_objective,
     fused_linear_token_logprobs,
     reference_token_logprobs,
 )
 from fuseforge.checks import check_int64, check_positive
+from fuseforge.ops._shared.lm_head import check_lm_head_inputs
 from fuseforge.ops._shared.utils import check_same_device, check_tensor
 
 DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")

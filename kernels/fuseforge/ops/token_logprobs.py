@@ -29,7 +29,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from fuseforge.loss_args import IGNORE_INDEX, LossOptions, check_chunk_size
-from fuseforge.ops.cross_entropy import ce_forward_stats, check_target
+from fuseforge.ops.cross_entropy import ce_forward_stats
 from fuseforge.ops.fused_linear_cross_entropy import (
     _autocast_inputs,
     _chunked_sweep,
@@ -41,56 +41,12 @@ from fuseforge.ops.fused_linear_cross_entropy import (
 from fuseforge.ops._shared.scaling import scale_unless_one
 from fuseforge.ops.targets import raise_pending_target_errors, scan_targets
 from fuseforge.checks import check_int64, check_positive
-from fuseforge.ops._shared.utils import TRAINING_DTYPES, check_device_supported, check_same_device, check_tensor
+from fuseforge.ops._shared.lm_head import check_lm_head_inputs
+from fuseforge.ops._shared.utils import TRAINING_DTYPES, check_same_device, check_tensor
 from fuseforge.ops._shared.vocab_major_cross_entropy import vocab_major_loss_and_lse
 
 # token_loss(logp [n] fp32, rows) -> [n]: the loss terms of tokens `rows` (a slice of the flattened tokens).
 TokenLoss = Callable[[torch.Tensor, slice], torch.Tensor]
-
-
-class DTypeMismatchError(TypeError, ValueError):
-    """Tensors that must share a dtype do not. Both a TypeError (as fuseforge's other ops raise for
-    dtypes) and a ValueError (as every other bad input of the preference and RL losses raises)."""
-
-
-def check_lm_head_inputs(
-    hidden: object,
-    weight: object,
-    bias: object,
-    target: object | None,
-    *,
-    prefix: str = "",
-    ndim: int | None = None,
-) -> None:
-    """Raise (naming the argument) unless hidden [..., H], weight [V, H], bias [V] and integer target
-    [...] (= hidden.shape[:-1]) fit one LM head on one device. Runs no kernel."""
-    check_tensor(f"{prefix}hidden", hidden, min_ndim=1 if ndim is None else None, ndim=ndim, dtypes=TRAINING_DTYPES)
-    check_tensor(f"{prefix}weight", weight, ndim=2, dtypes=TRAINING_DTYPES)
-    if bias is not None:
-        check_tensor(f"{prefix}bias", bias, ndim=1, dtypes=TRAINING_DTYPES)
-    n_vocab, n_hidden = weight.shape
-    if n_vocab == 0:
-        raise ValueError(
-            f"{prefix}weight must have at least one row (vocabulary entry), got shape {tuple(weight.shape)}"
-        )
-    if hidden.shape[-1] != n_hidden:
-        raise ValueError(
-            f"{prefix}hidden has {hidden.shape[-1]} features (shape {tuple(hidden.shape)}) but {prefix}weight expects "
-            f"{n_hidden} ({prefix}weight shape {tuple(weight.shape)} is [vocab, hidden])"
-        )
-    if bias is not None and bias.shape[0] != n_vocab:
-        raise ValueError(f"{prefix}bias has {bias.shape[0]} entries but {prefix}weight has {n_vocab} rows")
-    if target is not None:
-        check_target(target, hidden.shape[:-1], f"{prefix}hidden.shape[:-1]")
-    check_same_device(**{f"{prefix}hidden": hidden, f"{prefix}weight": weight, f"{prefix}bias": bias, "target": target})
-    check_device_supported(f"{prefix}hidden", hidden)
-    if not torch.is_autocast_enabled(hidden.device.type):  # under autocast the head runs in the autocast dtype
-        for name, t in ((f"{prefix}weight", weight), (f"{prefix}bias", bias)):
-            if t is not None and t.dtype != hidden.dtype:
-                raise DTypeMismatchError(
-                    f"{name} has dtype {t.dtype} but {prefix}hidden has dtype {hidden.dtype}; cast them to one "
-                    "dtype or run under torch.autocast"
-                )
 
 
 def _tempered(hidden, bias, temperature: float):
@@ -116,6 +72,8 @@ def fused_linear_token_logprobs(
     weight and bias: backward recomputes the logits chunk by chunk (see the module docstring).
     Under torch.no_grad (a frozen reference head) nothing is saved.
     """
+    # Checked here too: dividing by the temperature would turn an integer hidden or bias into a float one.
+    check_lm_head_inputs(hidden, weight, bias, target)
     temperature = check_positive("temperature", temperature)
     hidden, bias = _tempered(hidden, bias, temperature)
     return -fused_linear_cross_entropy(

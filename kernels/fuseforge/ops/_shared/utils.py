@@ -144,3 +144,19 @@ def check_device_supported(name: str, t: torch.Tensor) -> None:
         return
     hint = " (set TRITON_INTERPRET=1 to run on the CPU through Triton's interpreter)" if t.device.type == "cpu" else ""
     raise ValueError(f"{name} is on {t.device}; fuseforge kernels run on CUDA devices{hint}")
+
+
+def check_target(target: object, expected_shape: torch.Size, what: str) -> torch.Tensor:
+    """Class-index targets only: integer dtype, shape equal to the logits' leading dims."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if target.is_floating_point() or target.is_complex():
+        raise TypeError(
+            f"target must hold integer class indices (int64), got dtype {target.dtype}; "
+            "probability (soft) targets are not supported"
+        )
+    if target.dtype == torch.bool:
+        raise TypeError("target must hold integer class indices (int64), got dtype torch.bool")
+    if target.shape != expected_shape:
+        raise ValueError(f"target must have shape {tuple(expected_shape)} ({what}), got {tuple(target.shape)}")
+    return target
