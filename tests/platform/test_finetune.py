@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from fuseforge_flyte.data.prepare import prepare
 from fuseforge_flyte.data.shards import open_split
-from fuseforge_flyte.training.data import IGNORE_INDEX
+from fuseforge_flyte.training.batches import IGNORE_INDEX
 from fuseforge_flyte.training.engine import train
 from fuseforge_flyte.training.faults import FAULT_ENV, InjectedFault
 from fuseforge_flyte.training.spec import TrainSpec
@@ -47,7 +47,7 @@ def test_step_loss_is_the_mean_over_every_loss_token_of_the_global_batch(chat_da
     """grad_accum=2 with different loss-token counts per micro-batch: the step-1 loss is the token mean over
     both micro-batches (not the mean of the two micro-batch means), computed here with plain transformers."""
     m = train(_spec(chat_data, steps=1, grad_accum=2, batch_size=3))
-    from fuseforge_flyte.training.data import ShardedBatches
+    from fuseforge_flyte.training.batches import ShardedBatches
     from fuseforge_flyte.training.models import build_model
 
     train_split = open_split(chat_data, "train")

@@ -8,9 +8,10 @@ import pytest
 import torch
 import transformers
 
+from fuseforge_flyte.data.benchmark import benchmark_dataset
 from fuseforge_flyte.decks import training_deck_html
 from fuseforge_flyte.training import planner
-from fuseforge_flyte.training.data import DataPosition, ShardedBatches, benchmark_dataset
+from fuseforge_flyte.training.batches import DataPosition, ShardedBatches
 from fuseforge_flyte.training.engine import train
 from fuseforge_flyte.training.plan import Candidate, Plan, Probe
 from fuseforge_flyte.training.planner import (PlanError, ProbeRunner, candidates, choose, memory_budget,

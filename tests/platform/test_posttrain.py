@@ -16,9 +16,10 @@ pytest.importorskip("trl")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-from fuseforge_flyte.posttrain.dpo import (DPOSettings, _fused, check_scored, dpo_trainer,  # noqa: E402
+from fuseforge_flyte.data.preferences import load_prepared, prepare_preferences  # noqa: E402
+from fuseforge_flyte.measure import FuseforgeMetricsCallback  # noqa: E402
+from fuseforge_flyte.training.dpo import (DPOSettings, _fused, check_scored, dpo_trainer,  # noqa: E402
                                           score_reference, train_dpo)
-from fuseforge_flyte.posttrain.preferences import load_prepared, prepare_preferences  # noqa: E402
 import forking  # noqa: E402 - tests/support
 
 
@@ -40,6 +41,13 @@ def _write_jsonl(path, rows):
 def _settings(**overrides) -> DPOSettings:
     values = dict(model="tiny-llama", steps=3, batch_size=4, max_length=48, lr=1e-3, seed=0)
     return DPOSettings(**{**values, **overrides})
+
+
+def _train(settings: DPOSettings, scored_dir: str, output_dir: str):
+    """train_dpo measured as the dpo task measures it: (TrainMetrics, PreferenceMetrics)."""
+    meter = FuseforgeMetricsCallback(model_name=settings.model)
+    preference = train_dpo(settings, scored_dir, output_dir, callbacks=[meter])
+    return meter.metrics(), preference
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +111,7 @@ def test_policy_trains_on_the_fused_loss_against_the_scored_reference(scored, tm
     _, _, out = scored
     capfd.readouterr()
     with caplog.at_level("INFO", logger="fuseforge.training"):
-        metrics, preference = train_dpo(_settings(), out, str(tmp_path / "model"))
+        metrics, preference = _train(_settings(), out, str(tmp_path / "model"))
     printed = "\n".join(capfd.readouterr())
     assert "{'loss'" not in printed and "'rewards/accuracies'" not in printed  # no raw Trainer dicts
     assert any(m.startswith("step 3/3 loss") and "reward accuracy" in m for m in caplog.messages)  # step lines
@@ -130,7 +138,7 @@ def test_lora_policy_trains_on_the_fused_loss_and_saves_a_peft_adapter(scored, t
     pytest.importorskip("peft")
     _, _, out = scored
     settings = _settings(lora=True, qlora=qlora, lora_rank=4, lora_alpha=8.0, lr=1e-2)
-    metrics, preference = train_dpo(settings, out, str(tmp_path / "adapter"))
+    metrics, preference = _train(settings, out, str(tmp_path / "adapter"))
     assert preference.fused_loss, preference.notes
     assert any("PEFT: LoRA adapter(s) default" in note for note in preference.notes), preference.notes
     # QLoRA's step-1 policy is the NF4-rounded base, the scored reference the full-precision one: near log 2
@@ -160,8 +168,8 @@ def test_bad_dpo_lora_settings_are_named(settings, message):
 
 def test_unfused_run_matches_the_fused_run(scored, tmp_path):
     _, _, out = scored
-    fused, _ = train_dpo(_settings(), out, str(tmp_path / "fused"))
-    plain, preference = train_dpo(_settings(kernels=False), out, str(tmp_path / "plain"))
+    fused, _ = _train(_settings(), out, str(tmp_path / "fused"))
+    plain, preference = _train(_settings(kernels=False), out, str(tmp_path / "plain"))
     assert not preference.fused_loss
     assert fused.loss_curve == pytest.approx(plain.loss_curve, abs=2e-4)
 

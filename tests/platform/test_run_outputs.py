@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fuseforge_flyte.comparison import Comparison
-from fuseforge_flyte.posttrain.dpo import PreferenceMetrics
+from fuseforge_flyte.training.dpo import PreferenceMetrics
 from fuseforge_flyte.training.spec import TrainMetrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ def test_the_demo_settings_teach_the_tiny_model_to_answer(tmp_path, capsys, monk
 def test_dpo_logs_the_engines_step_line_instead_of_trls_dict(caplog):
     from types import SimpleNamespace
 
-    from fuseforge_flyte.posttrain.dpo import preference_callback
+    from fuseforge_flyte.training.dpo import preference_callback
 
     callback = preference_callback()
     state = SimpleNamespace(is_world_process_zero=True, global_step=3, max_steps=20, num_input_tokens_seen=1024)

@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
+from fuseforge_flyte.data.benchmark import SyntheticTokens, benchmark_dataset, bytes_corpus_path, decode, encode
 from fuseforge_flyte.model_names import BYTE_VOCAB_SIZE, PRESETS
 from fuseforge_flyte.training import cli
-from fuseforge_flyte.training.data import (DataPosition, ShardedBatches, SyntheticTokens, benchmark_dataset,
-                                           bytes_corpus_path, decode, encode)
+from fuseforge_flyte.training.batches import DataPosition, ShardedBatches
 from fuseforge_flyte.training.engine import NonFiniteLossError, train
 from fuseforge_flyte.training.faults import NONFINITE_ENV
 from fuseforge_flyte.training.metrics import History, summarize

@@ -132,7 +132,7 @@ def small_data(tmp_path_factory):
 
 
 def test_a_dataset_too_small_for_one_global_step_shrinks_the_batch_with_a_message(small_data, caplog):
-    from fuseforge_flyte.training.data import fit_batch_to_data
+    from fuseforge_flyte.training.training_data import fit_batch_to_data
 
     spec = TrainSpec(model="tiny-llama", dataset=small_data, seq_len=128, batch_size=4)
     with caplog.at_level("WARNING", logger="fuseforge.training"):

@@ -15,7 +15,7 @@ from typing import Dict, Optional
 
 from fuseforge_flyte import hub
 
-# The vocabulary of the tiny presets: the byte tokenizer's 256 bytes plus BOS, EOS and PAD (training/data.py's
+# The vocabulary of the tiny presets: the byte tokenizer's 256 bytes plus BOS, EOS and PAD (data/benchmark.py's
 # bench:bytes data, whose ids they hold without a tokenizer).
 BYTE_VOCAB_SIZE = 259
 

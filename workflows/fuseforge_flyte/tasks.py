@@ -43,9 +43,9 @@ def check_train_inputs(data: FlyteDirectory, **inputs: Any) -> None:
     """The run as the workers will see it, checked in the launching process: bad inputs, an unknown model,
     or data that does not fit the model fail once, before any worker (or GPU) starts."""
     spec = TrainSpec(dataset=data.path, **spec_values(inputs)).validate()
-    from fuseforge_flyte.training.data import check_prepared_fits
     from fuseforge_flyte.training.checkpoint import check_resume_settings
     from fuseforge_flyte.training.distill import check_teacher_fits
+    from fuseforge_flyte.training.training_data import check_prepared_fits
 
     check_prepared_fits(spec)
     check_teacher_fits(spec)
@@ -54,7 +54,7 @@ def check_train_inputs(data: FlyteDirectory, **inputs: Any) -> None:
 
 def fit_train_inputs(world_size: int, inputs: Dict[str, Any]) -> Dict[str, Any]:
     """The inputs with a batch_size that the prepared data fills on `world_size` workers (see fit_batch_to_data)."""
-    from fuseforge_flyte.training.data import fit_batch_to_data
+    from fuseforge_flyte.training.training_data import fit_batch_to_data
 
     data = inputs["data"]
     spec = TrainSpec(dataset=data.path, **spec_values({k: v for k, v in inputs.items() if k != "data"}))
@@ -118,9 +118,9 @@ def prepare_data(
     seed: int,
 ) -> FlyteDirectory:
     """Tokenize, mask and pack `dataset` into shards for `model` (cached on `fingerprint` and the options)."""
+    from fuseforge_flyte.data.benchmark import BENCHMARK_DATASETS, write_benchmark_marker
     from fuseforge_flyte.data.prepare import prepare
     from fuseforge_flyte.data.spec import DataSpec
-    from fuseforge_flyte.training.data import BENCHMARK_DATASETS, write_benchmark_marker
 
     out_dir = task_output_dir("data")
     source = source_path(dataset)

@@ -21,10 +21,10 @@ from flytekit.types.directory import FlyteDirectory
 from fuseforge_flyte import user_errors
 from fuseforge_flyte.comparison import Comparison
 from fuseforge_flyte.inputs import Dtype, summary_only, training_inputs
-from fuseforge_flyte.posttrain.dpo import DPOSettings
-from fuseforge_flyte.sampling import Samples
 from fuseforge_flyte.posttrain.tasks import (DPOLossType, DPOOutput, dpo_train, prepare_preference_data,
                                              reference_logps)
+from fuseforge_flyte.sampling import Samples
+from fuseforge_flyte.training.dpo import DPOSettings
 from fuseforge_flyte.training.spec import CHECKPOINT_OFF, TrainMetrics
 from fuseforge_flyte.tasks import (DEFAULTS, DataSource, TrainOutput, fingerprint_data, prepare_data,
                                    sample_model, summarize_comparison, train_model)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 
 from fuseforge_flyte.decks import figure_html, table_html
-from fuseforge_flyte.posttrain.dpo import PreferenceMetrics
+from fuseforge_flyte.training.dpo import PreferenceMetrics
 
 
 def _maybe(value, spec: str) -> str:

@@ -20,9 +20,9 @@ from flytekit.types.directory import FlyteDirectory
 from fuseforge_flyte import run_outputs
 from fuseforge_flyte.launch import data_task_options
 from fuseforge_flyte.inputs import spec_values
-from fuseforge_flyte.posttrain.dpo import LOSS_TYPES, DPOSettings, PreferenceMetrics
 from fuseforge_flyte.tasks import CONFIG, DataSource, source_path
 from fuseforge_flyte.training import outputs
+from fuseforge_flyte.training.dpo import LOSS_TYPES, DPOSettings, PreferenceMetrics
 from fuseforge_flyte.training.spec import TrainMetrics
 from fuseforge_flyte.user_task import training_task
 
@@ -44,7 +44,7 @@ class DPOOutput(NamedTuple):
 def prepare_preference_data(dataset: DataSource, fingerprint: str, dataset_config: str, dataset_split: str,
                             eval_fraction: float, seed: int) -> FlyteDirectory:
     """Check every prompt/chosen/rejected row and save the pairs (cached on the dataset's fingerprint)."""
-    from fuseforge_flyte.posttrain.preferences import prepare_preferences
+    from fuseforge_flyte.data.preferences import prepare_preferences
 
     out_dir = run_outputs.task_output_dir("preferences")
     prepare_preferences(source_path(dataset), out_dir, config=dataset_config, split=dataset_split,
@@ -73,7 +73,7 @@ def _settings(inputs: dict) -> DPOSettings:
 def reference_logps(data: FlyteDirectory, model: str, reference_model: str, tokenizer: str, max_length: int,
                     batch_size: int, seed: int, kernels: bool) -> FlyteDirectory:
     """Tokenize the pairs (chat template applied) and score them with the reference model (cached)."""
-    from fuseforge_flyte.posttrain.dpo import score_reference
+    from fuseforge_flyte.training.dpo import score_reference
 
     settings = DPOSettings(model=model, reference_model=reference_model, tokenizer=tokenizer, max_length=max_length,
                            batch_size=batch_size, seed=seed, kernels=kernels)
@@ -95,12 +95,14 @@ def dpo_train(data: FlyteDirectory, model: str, reference_model: str, tokenizer:
               lora_target_modules: str = "", qlora: bool = False, output_dir: str = "") -> DPOOutput:
     """Train the policy with TRL's DPOTrainer on the scored pairs (fused DPO loss with kernels on; LoRA adapters
     with lora/qlora, whose reference is the scored base model)."""
-    from fuseforge_flyte.posttrain.dpo import train_dpo
+    from fuseforge_flyte.measure import FuseforgeMetricsCallback
+    from fuseforge_flyte.training.dpo import train_dpo
 
     settings = _settings(dict(locals()))
     output_dir = output_dir or tempfile.mkdtemp(prefix="fuseforge-dpo-")  # "" reaches a worker on a cluster only
-    metrics, preference = train_dpo(settings, data.path, outputs.model_dir(output_dir),
-                                    dataset_name="preferences")
+    meter = FuseforgeMetricsCallback(dataset="preferences", model_name=settings.model)
+    preference = train_dpo(settings, data.path, outputs.model_dir(output_dir), callbacks=[meter])
+    metrics = meter.metrics()
     metrics.output_dir = output_dir if run_outputs.is_local_run() else ""
     if int(os.environ.get("RANK", "0")) == 0:
         from fuseforge_flyte.posttrain.decks import preference_deck_html

@@ -24,16 +24,15 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from fuseforge_flyte.console import ensure_console_logging
+from fuseforge_flyte.data.benchmark import benchmark_dataset, resolve_benchmark
 from fuseforge_flyte.model_names import PRESETS, load_config
 from fuseforge_flyte.quiet import quiet_third_party
 from fuseforge_flyte.training import faults, fp8, lora
 from fuseforge_flyte.training import outputs, permanent, planner, preemption, tracking
+from fuseforge_flyte.training.batches import (IGNORE_INDEX, DataPosition, Prefetcher, Sample, ShardedBatches,
+                                              collate, eval_batches)
 from fuseforge_flyte.training.checkpoint import CheckpointManager, run_settings
 from fuseforge_flyte.training.compilation import compile_layers
-from fuseforge_flyte.training.data import (IGNORE_INDEX, DataPosition, Prefetcher, Sample, ShardedBatches,
-                                           TrainingData,
-                                           benchmark_dataset, collate, eval_batches, open_training_data,
-                                           resolve_benchmark)
 from fuseforge_flyte.training.distributed import DistContext
 from fuseforge_flyte.training.metrics import (History, device_name, final_loss, peak_memory_gib, perplexity,
                                               reset_peak_memory, summarize)
@@ -42,6 +41,7 @@ from fuseforge_flyte.training.plan import Plan
 from fuseforge_flyte.training.precision import compute_torch_dtype
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
 from fuseforge_flyte.training.strategies import Strategy, make_strategy, strategy_class
+from fuseforge_flyte.training.training_data import TrainingData, open_training_data
 from fuseforge_flyte.training.validation import skipped_kernels
 
 log = logging.getLogger("fuseforge.training")

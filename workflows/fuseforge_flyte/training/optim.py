@@ -52,7 +52,7 @@ def divides_by_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
 
 def scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LambdaLR:
     """transformers' cosine schedule with linear warmup, down to MIN_LR_RATIO of the peak: the schedule TRL's
-    trainers use too (posttrain/dpo.py asks for the same one), so a model trains on one schedule on either path.
+    trainers use too (training/dpo.py asks for the same one), so a model trains on one schedule on either path.
 
     The lr multiplier is step/warmup during the warmup (0 at the first step), then cosine from 1 to MIN_LR_RATIO
     at step `total`. Its lambda is a functools.partial that LambdaLR's state_dict does not save: a resumed run

@@ -381,7 +381,7 @@ def plan_run(run, global_batch: int, meter) -> Plan:
     never change (no optimizer step) and the probes' gradients are dropped. The run's model is left
     with the chosen checkpointing and loss chunk.
     """
-    from fuseforge_flyte.training.data import IGNORE_INDEX, DataPosition, ShardedBatches
+    from fuseforge_flyte.training.batches import IGNORE_INDEX, DataPosition, ShardedBatches
 
     spec, ctx, strategy = run.spec, run.ctx, run.strategy
     per_rank = per_rank_sequences(global_batch, ctx.world_size)

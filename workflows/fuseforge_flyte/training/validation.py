@@ -13,9 +13,9 @@ import dataclasses
 import math
 import typing
 
+from fuseforge_flyte.data.benchmark import BENCHMARK_DATASETS, resolve_benchmark
 from fuseforge_flyte.data.spec import DATA_FORMATS
 from fuseforge_flyte.model_names import is_known_model, unknown_model_message
-from fuseforge_flyte.training.data import BENCHMARK_DATASETS, resolve_benchmark
 
 CHOICES = {
     "strategy": ("ddp", "fsdp", "deepspeed"),

@@ -40,7 +40,7 @@ def run_settings(spec, data_manifest, *, samples_per_step: int, dtype: str) -> D
     if data_manifest is not None:
         dataset = data_manifest.identity()
     else:
-        from fuseforge_flyte.training.data import resolve_benchmark
+        from fuseforge_flyte.data.benchmark import resolve_benchmark
 
         dataset = {"benchmark": resolve_benchmark(spec.dataset) or spec.dataset}
     settings = {"seed": spec.seed, "dataset": dataset, "seq_len": spec.seq_len,
@@ -151,7 +151,7 @@ def check_resume_settings(spec) -> None:
     message is the one a worker would give). Anything this cannot read or verify is left to the workers' resume,
     which also compares the model, the strategy and the settings only they know."""
     from fuseforge_flyte.data.shards import is_prepared_dir, read_manifest
-    from fuseforge_flyte.training.data import resolve_benchmark
+    from fuseforge_flyte.data.benchmark import resolve_benchmark
 
     root = spec.checkpoint_location
     if not root:

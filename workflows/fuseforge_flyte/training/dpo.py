@@ -1,6 +1,6 @@
-"""DPO on the platform: TRL's DPOTrainer, reference log-probs scored once by a separate task, the fused loss.
+"""DPO in the engine: TRL's DPOTrainer, reference log-probs scored once by a separate step, the fused loss.
 
-Two steps, each a function of plain values (the Flyte tasks in posttrain/tasks.py wrap them):
+Two steps, each a function of plain values, runnable without Flyte (the tasks in posttrain/tasks.py wrap them):
 
 - `score_reference`: TRL's own tokenization of the prepared pairs (chat template, prompt/completion split,
   truncation rule) and TRL's own reference pass (`precompute_ref_log_probs`), run with the reference model
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Dict, List, Optional
 
 from fuseforge_flyte.console import ensure_console_logging
-from fuseforge_flyte.posttrain.preferences import load_prepared
+from fuseforge_flyte.data.preferences import load_prepared
 
 log = logging.getLogger("fuseforge.training")
 
@@ -338,15 +338,14 @@ def _without_printed_dicts(trainer) -> None:
     trainer.remove_callback(ProgressCallback)
 
 
-def train_dpo(settings: DPOSettings, data_dir: str, output_dir: str, dataset_name: str = ""):
+def train_dpo(settings: DPOSettings, data_dir: str, output_dir: str, *, callbacks=()) -> PreferenceMetrics:
     """Train the policy on scored pairs; rank 0 saves it (and the tokenizer) to `output_dir`.
 
-    Returns (TrainMetrics, PreferenceMetrics) on every rank.
+    Returns the PreferenceMetrics on every rank. `callbacks` go to the trainer before the preference log: the
+    caller measures the run as any Trainer's (measure.FuseforgeMetricsCallback), which the engine cannot import.
     """
-    from fuseforge_flyte.measure import FuseforgeMetricsCallback
-
-    metrics, preference = FuseforgeMetricsCallback(dataset=dataset_name, model_name=settings.model), preference_callback()
-    trainer, tokenizer, notes = dpo_trainer(settings, data_dir, callbacks=[metrics, preference])
+    preference = preference_callback()
+    trainer, tokenizer, notes = dpo_trainer(settings, data_dir, callbacks=[*callbacks, preference])
     ensure_console_logging()
     trainer.train()
     if trainer.eval_dataset is not None:
@@ -357,4 +356,4 @@ def train_dpo(settings: DPOSettings, data_dir: str, output_dir: str, dataset_nam
         tokenizer.save_pretrained(output_dir)
         with open(os.path.join(output_dir, "fuseforge_dpo.json"), "w", encoding="utf-8") as handle:
             json.dump({k: v for k, v in asdict(settings).items() if k != "extra"}, handle)
-    return metrics.metrics(), preference.summary(settings, notes)
+    return preference.summary(settings, notes)

@@ -1,4 +1,4 @@
-"""Preference data: any source the fine-tuning data path reads, checked and saved as a `datasets` directory.
+"""Preference data (DPO's): any source the data path reads, checked and saved as a `datasets` directory.
 
 A preference example is TRL's: `chosen` and `rejected` (strings, or lists of chat messages), with an
 optional `prompt` (without one TRL takes the conversations' shared beginning as the prompt). Rows are
@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Any, Dict, List, Optional
+
+from fuseforge_flyte.data.sources import load_source
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
 REQUIRED_COLUMNS = ("chosen", "rejected")
@@ -61,7 +63,6 @@ def prepare_preferences(source: str, out_dir: str, *, config: str = "", split: s
     (a `datasets.DatasetDict` with "train" and, when held out, "eval"); rows per split."""
     import datasets
 
-    from fuseforge_flyte.data.sources import load_source
 
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction!r}")
