@@ -18,10 +18,10 @@ from pathlib import Path
 import click
 import pytest
 
-import fuseforge_flyte.image as image_mod
+import fuseforge_flyte.image.spec as image_mod
 from fuseforge_flyte.cli import main, pyflyte_command, requirements_txt
 from fuseforge_flyte.config import load_config
-from fuseforge_flyte.image import (
+from fuseforge_flyte.image.spec import (
     IMAGE_CHECK_ENV,
     LOCKED_INSTALL_ARGS,
     UID_CHECK_COMMAND,
@@ -31,9 +31,9 @@ from fuseforge_flyte.image import (
     torch_install_command,
     training_image,
 )
-from fuseforge_flyte.image_build import IMAGE_UID, STAGED_SOURCE_DIR, ImageBuildError
-from fuseforge_flyte.image_lock import parse_lock, requirement_lines as lock_lines
-from fuseforge_flyte.registry import registry_has_image
+from fuseforge_flyte.image.sources import IMAGE_UID, STAGED_SOURCE_DIR, ImageBuildError
+from fuseforge_flyte.image.lock import parse_lock, requirement_lines as lock_lines
+from fuseforge_flyte.image.registry import registry_has_image
 
 REPO = Path(__file__).resolve().parents[2]
 

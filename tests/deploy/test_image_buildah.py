@@ -26,10 +26,10 @@ from pathlib import Path
 import pytest
 from flytekit.image_spec.image_spec import ImageBuildEngine, ImageSpec
 
-import fuseforge_flyte.buildah as buildah_mod
-import fuseforge_flyte.image as image_mod
-from fuseforge_flyte.base_image import SUITE_PYTHON, check_name, make_base_image
-from fuseforge_flyte.buildah import (
+import fuseforge_flyte.image.buildah as buildah_mod
+import fuseforge_flyte.image.spec as image_mod
+from fuseforge_flyte.image.base import SUITE_PYTHON, check_name, make_base_image
+from fuseforge_flyte.image.buildah import (
     BuildahImageBuilder,
     buildah_problem,
     is_loopback,
@@ -37,9 +37,9 @@ from fuseforge_flyte.buildah import (
     render_buildah_context,
 )
 from fuseforge_flyte.config import load_config
-from fuseforge_flyte.image import UID_CHECK_COMMAND, FuseforgeImageBuilder, training_image
-from fuseforge_flyte.image_build import IMAGE_UID, STAGED_SOURCE_DIR, ImageBuildError
-from fuseforge_flyte.registry import registry_has_image, split_image_name
+from fuseforge_flyte.image.spec import UID_CHECK_COMMAND, FuseforgeImageBuilder, training_image
+from fuseforge_flyte.image.sources import IMAGE_UID, STAGED_SOURCE_DIR, ImageBuildError
+from fuseforge_flyte.image.registry import registry_has_image, split_image_name
 from local_index import serve_index, wheel_from_installed, write_wheel
 from oci_pull import pull, unpack
 

@@ -1,4 +1,4 @@
-"""What both builders of the training image share (flytekit's Docker builder in image.py, the daemonless one in
+"""What both builders of the training image share (flytekit's Docker builder in spec.py, the daemonless one in
 buildah.py): the clean copy of the source checkout that ImageSpec.copy names, the uid of the image's user, and
 the error a build that cannot happen here raises."""
 
@@ -29,7 +29,7 @@ class ImageBuildError(RuntimeError):
 
 def find_checkout() -> Optional[Path]:
     """The fuseforge source checkout this package runs from, or None (installed from a wheel)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     if (root / "pyproject.toml").is_file() and (root / "kernels" / "fuseforge").is_dir():
         return root
     return None

@@ -9,7 +9,7 @@ fuseforge itself: this source checkout (staged without caches, `uv pip install -
 `--extra-index-url`, no `UV_INDEX_STRATEGY`, at build or run time. A lock that no longer covers [image]
 (an added extra_packages entry, another torch) stops the build, naming `python images/lock.py`.
 Builds go through flytekit's Docker builder, wrapped (builder "fuseforge") so that they work from any
-directory; without a Docker daemon they go through buildah (fuseforge_flyte.buildah), and they fail with
+directory; without a Docker daemon they go through buildah (fuseforge_flyte.image.buildah), and they fail with
 a clear message when neither can build.
 
 Registration (`pyflyte run --remote`, `pyflyte register`) checks that the image is in the registry
@@ -35,10 +35,10 @@ from flytekit.image_spec.default_builder import DefaultImageBuilder, create_dock
 from flytekit.image_spec.image_spec import ImageBuildEngine, ImageSpec
 
 from fuseforge_flyte.config import ConfigError, ImageConfig, PlatformConfig
-from fuseforge_flyte.image_build import (IMAGE_UID, STAGED_SOURCE_DIR, ImageBuildError, find_checkout,
+from fuseforge_flyte.image.sources import (IMAGE_UID, STAGED_SOURCE_DIR, ImageBuildError, find_checkout,
                                          in_staged_sources, source_files)
-from fuseforge_flyte.image_lock import LOCK_PATH, RENEW, lock_file, stale_requirements
-from fuseforge_flyte.registry import registry_has_image
+from fuseforge_flyte.image.lock import LOCK_PATH, RENEW, lock_file, stale_requirements
+from fuseforge_flyte.image.registry import registry_has_image
 
 try:
     import tomllib
@@ -51,7 +51,7 @@ BUILDER_NAME = "fuseforge"
 IMAGE_ENV = {"DS_BUILD_OPS": "0"}
 # How the lock is installed: each archive checked against its sha256, nothing resolved beyond it.
 LOCKED_INSTALL_ARGS = "--require-hashes --no-deps"
-# The image user's uid is the one the Helm chart's pods run as (image_build.IMAGE_UID): the build checks it.
+# The image user's uid is the one the Helm chart's pods run as (sources.IMAGE_UID): the build checks it.
 UID_CHECK_COMMAND = (
     f'test "$(id -u flytekit):$(id -g flytekit)" = "{IMAGE_UID}:{IMAGE_UID}" || '
     f'(echo "the image user flytekit is $(id -u flytekit):$(id -g flytekit), the fuseforge chart runs pods as '
@@ -281,7 +281,7 @@ class FuseforgeImageBuilder(DefaultImageBuilder):
             check_docker(image_spec.image_name())
             daemonless = False
         except ImageBuildError as docker_missing:
-            from fuseforge_flyte.buildah import buildah_problem
+            from fuseforge_flyte.image.buildah import buildah_problem
 
             problem = buildah_problem()
             if problem is not None:
@@ -291,7 +291,7 @@ class FuseforgeImageBuilder(DefaultImageBuilder):
                 raise ImageBuildError(message) from None
             daemonless = True
         if daemonless:  # no Docker daemon: buildah builds the same spec
-            from fuseforge_flyte.buildah import BuildahImageBuilder
+            from fuseforge_flyte.image.buildah import BuildahImageBuilder
 
             return BuildahImageBuilder().build(image_spec, push=push)
         with in_staged_sources(image_spec), warnings.catch_warnings():
@@ -303,4 +303,4 @@ class FuseforgeImageBuilder(DefaultImageBuilder):
 
 ImageBuildEngine.register(BUILDER_NAME, FuseforgeImageBuilder(), priority=0)
 # The daemonless builder registers itself with flytekit too (as "fuseforge-buildah") when imported.
-import fuseforge_flyte.buildah  # noqa: E402,F401
+import fuseforge_flyte.image.buildah  # noqa: E402,F401
