@@ -31,7 +31,8 @@ from fuseforge_flyte.image.spec import (
     torch_install_command,
     training_image,
 )
-from fuseforge_flyte.image.sources import IMAGE_UID, STAGED_SOURCE_DIR, ImageBuildError
+from fuseforge_flyte.image import IMAGE_UID, ImageBuildError
+from fuseforge_flyte.image.sources import STAGED_SOURCE_DIR
 from fuseforge_flyte.image.lock import parse_lock, requirement_lines as lock_lines
 from fuseforge_flyte.image.registry import registry_has_image
 

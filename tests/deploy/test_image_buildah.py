@@ -38,7 +38,8 @@ from fuseforge_flyte.image.buildah import (
 )
 from fuseforge_flyte.config import load_config
 from fuseforge_flyte.image.spec import UID_CHECK_COMMAND, FuseforgeImageBuilder, training_image
-from fuseforge_flyte.image.sources import IMAGE_UID, STAGED_SOURCE_DIR, ImageBuildError
+from fuseforge_flyte.image import IMAGE_UID, ImageBuildError
+from fuseforge_flyte.image.sources import STAGED_SOURCE_DIR
 from fuseforge_flyte.image.registry import registry_has_image, split_image_name
 from local_index import serve_index, wheel_from_installed, write_wheel
 from oci_pull import pull, unpack

@@ -25,7 +25,8 @@ from typing import List, Optional
 from flytekit.constants import CopyFileDetection
 from flytekit.image_spec.image_spec import ImageBuildEngine, ImageSpec, ImageSpecBuilder
 
-from fuseforge_flyte.image.sources import IMAGE_UID, ImageBuildError, in_staged_sources
+from fuseforge_flyte.image import IMAGE_UID, ImageBuildError
+from fuseforge_flyte.image.sources import in_staged_sources
 from fuseforge_flyte.image.registry import registry_has_image, split_image_name
 
 BUILDER_NAME = "fuseforge-buildah"
@@ -178,7 +179,7 @@ def render_buildah_context(spec: ImageSpec, out_dir: os.PathLike | str) -> Path:
     lines += [
         "COPY uv /usr/local/bin/uv",
         "ENV " + " ".join(f"{key}={json.dumps(value)}" for key, value in env.items()),
-        # The uid the Helm chart's pods run as (fuseforge_flyte.image.sources.IMAGE_UID), as images/Dockerfile makes it.
+        # The uid the Helm chart's pods run as (fuseforge_flyte.image.IMAGE_UID), as images/Dockerfile makes it.
         f"RUN id -u flytekit >/dev/null 2>&1 || useradd --uid {IMAGE_UID} --user-group --create-home --shell /bin/bash flytekit",
         f"RUN uv venv --python {spec.python_version or '.'.join(map(str, sys.version_info[:2]))} {VENV}",
     ]

@@ -35,10 +35,10 @@ from flytekit.image_spec.default_builder import DefaultImageBuilder, create_dock
 from flytekit.image_spec.image_spec import ImageBuildEngine, ImageSpec
 
 from fuseforge_flyte.config import ConfigError, ImageConfig, PlatformConfig
-from fuseforge_flyte.image.sources import (IMAGE_UID, STAGED_SOURCE_DIR, ImageBuildError, find_checkout,
-                                         in_staged_sources, source_files)
+from fuseforge_flyte.image import IMAGE_UID, ImageBuildError
 from fuseforge_flyte.image.lock import LOCK_PATH, RENEW, lock_file, stale_requirements
 from fuseforge_flyte.image.registry import registry_has_image
+from fuseforge_flyte.image.sources import STAGED_SOURCE_DIR, find_checkout, in_staged_sources, source_files
 
 try:
     import tomllib
@@ -51,7 +51,7 @@ BUILDER_NAME = "fuseforge"
 IMAGE_ENV = {"DS_BUILD_OPS": "0"}
 # How the lock is installed: each archive checked against its sha256, nothing resolved beyond it.
 LOCKED_INSTALL_ARGS = "--require-hashes --no-deps"
-# The image user's uid is the one the Helm chart's pods run as (sources.IMAGE_UID): the build checks it.
+# The image user's uid is the one the Helm chart's pods run as (IMAGE_UID): the build checks it.
 UID_CHECK_COMMAND = (
     f'test "$(id -u flytekit):$(id -g flytekit)" = "{IMAGE_UID}:{IMAGE_UID}" || '
     f'(echo "the image user flytekit is $(id -u flytekit):$(id -g flytekit), the fuseforge chart runs pods as '
