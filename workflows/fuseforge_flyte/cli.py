@@ -61,7 +61,7 @@ def cmd_config(args: argparse.Namespace, config: PlatformConfig) -> int:
 
 
 def requirements_txt(config: PlatformConfig) -> str:
-    from fuseforge_flyte.image.spec import image_packages
+    from fuseforge_flyte.image.requirements import image_packages
     from fuseforge_flyte.image.sources import find_checkout
 
     packages = [p for p in image_packages(config, find_checkout()) if p != config.image.torch]
@@ -74,7 +74,8 @@ def cmd_requirements(args: argparse.Namespace, config: PlatformConfig) -> int:
 
 
 def cmd_build_image(args: argparse.Namespace, config: PlatformConfig) -> int:
-    from fuseforge_flyte.image.spec import FuseforgeImageBuilder, render_docker_context, training_image
+    from fuseforge_flyte.image.docker import FuseforgeImageBuilder, render_docker_context
+    from fuseforge_flyte.image.spec import training_image
 
     spec = training_image(config)
     if args.render:
