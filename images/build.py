@@ -7,7 +7,7 @@
 
 The image installs the hash lock images/requirements.txt (sha256-checked, from PyPI alone), then torch by name
 from [image].torch_index_url alone, then this checkout; a lock that no longer covers [image] stops the build
-(renew it with `python images/lock.py`). See fuseforge_flyte/image.py.
+(renew it with `python images/lock.py`). See fuseforge_flyte/image/spec.py.
 
 Same as `python -m fuseforge_flyte.cli build-image ...`; needs fuseforge installed with the [platform] extra.
 """

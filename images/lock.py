@@ -9,7 +9,7 @@ requirements.txt pins every package the image installs after torch, each with th
 archives, resolved for the image's platform: Linux x86_64 (manylinux_2_28), CPython [image].python_version,
 together with [image].torch so that the versions fit the torch the image runs. torch itself, and the
 packages only torch needs (its CUDA libraries), are left out: images/Dockerfile installs them first, from
-[image].torch_index_url. images/Dockerfile and the ImageSpec build (fuseforge_flyte.image) install the lock
+[image].torch_index_url. images/Dockerfile and the ImageSpec build (fuseforge_flyte.image.spec) install the lock
 with `--require-hashes --no-deps` from PyPI alone, then torch by name from its own index alone.
 """
 
@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Set
 
-from fuseforge_flyte.image_lock import parse_lock
+from fuseforge_flyte.image.lock import parse_lock
 
 HERE = Path(__file__).resolve().parent
 REQUIREMENTS_IN = HERE / "requirements.in"

@@ -18,22 +18,18 @@ from pathlib import Path
 import click
 import pytest
 
-import fuseforge_flyte.image as image_mod
+import fuseforge_flyte.image.docker as docker_mod
+import fuseforge_flyte.image.registration as registration_mod
+import fuseforge_flyte.image.spec as spec_mod
 from fuseforge_flyte.cli import main, pyflyte_command, requirements_txt
 from fuseforge_flyte.config import load_config
-from fuseforge_flyte.image import (
-    IMAGE_CHECK_ENV,
-    LOCKED_INSTALL_ARGS,
-    UID_CHECK_COMMAND,
-    FuseforgeImageBuilder,
-    registration_command,
-    render_docker_context,
-    torch_install_command,
-    training_image,
-)
-from fuseforge_flyte.image_build import IMAGE_UID, STAGED_SOURCE_DIR, ImageBuildError
-from fuseforge_flyte.image_lock import parse_lock, requirement_lines as lock_lines
-from fuseforge_flyte.registry import registry_has_image
+from fuseforge_flyte.image import IMAGE_UID, ImageBuildError
+from fuseforge_flyte.image.docker import IMAGE_CHECK_ENV, FuseforgeImageBuilder, render_docker_context
+from fuseforge_flyte.image.lock import parse_lock, requirement_lines as lock_lines
+from fuseforge_flyte.image.registration import registration_command
+from fuseforge_flyte.image.registry import registry_has_image
+from fuseforge_flyte.image.sources import STAGED_SOURCE_DIR
+from fuseforge_flyte.image.spec import LOCKED_INSTALL_ARGS, UID_CHECK_COMMAND, torch_install_command, training_image
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,7 +78,7 @@ def test_image_spec_follows_config(defaults):
 
 def test_content_tag_tracks_sources_not_caches(tmp_path, monkeypatch, defaults):
     checkout = small_checkout(tmp_path / "repo")
-    monkeypatch.setattr(image_mod, "find_checkout", lambda: checkout)
+    monkeypatch.setattr(spec_mod, "find_checkout", lambda: checkout)
     first = training_image(defaults).tag
     assert training_image(defaults).tag == first  # deterministic
 
@@ -177,7 +173,7 @@ def test_a_lock_that_no_longer_fits_the_image_is_refused_before_building(tmp_pat
 
 def test_without_the_lock_nothing_is_built(tmp_path, monkeypatch, defaults):
     """Installed from a wheel (e.g. inside the image): the spec keeps its identity, but it is never built unlocked."""
-    monkeypatch.setattr(image_mod, "find_checkout", lambda: None)
+    monkeypatch.setattr(spec_mod, "find_checkout", lambda: None)
     config = load_config(env={"FUSEFORGE__IMAGE__FUSEFORGE": "fuseforge[hf,platform]==0.1.0"})
     spec = training_image(config)
     assert spec.requirements is None and spec.packages
@@ -401,9 +397,9 @@ def spec_for(tmp_path, registry_host: str, tag: str = ""):
 @pytest.fixture
 def registering(monkeypatch, tmp_path):
     """As under `pyflyte run --remote`, on a machine without Docker."""
-    monkeypatch.setattr(image_mod, "registration_command", lambda: "pyflyte run --remote")
+    monkeypatch.setattr(docker_mod, "registration_command", lambda: "pyflyte run --remote")
     # training_image() records the registration it sees; a fresh record keeps it from later tests.
-    monkeypatch.setattr(image_mod, "_SEEN_REGISTRATION", [])
+    monkeypatch.setattr(registration_mod, "_SEEN_REGISTRATION", [])
     monkeypatch.setenv("PATH", str(tmp_path))  # no docker
     monkeypatch.delenv(IMAGE_CHECK_ENV, raising=False)
 

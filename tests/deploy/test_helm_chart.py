@@ -641,7 +641,7 @@ def test_task_pods_pass_the_restricted_pod_security_level(rendered):
 
 def test_image_user_matches_the_pod_security_context():
     """The uid the pods run as is the uid images/Dockerfile and the ImageSpec give the user flytekit."""
-    from fuseforge_flyte.image_build import IMAGE_UID
+    from fuseforge_flyte.image import IMAGE_UID
 
     values = platform_values()
     assert values["podSecurityContext"]["runAsUser"] == values["podSecurityContext"]["runAsGroup"] == IMAGE_UID

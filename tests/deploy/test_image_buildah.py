@@ -26,20 +26,24 @@ from pathlib import Path
 import pytest
 from flytekit.image_spec.image_spec import ImageBuildEngine, ImageSpec
 
-import fuseforge_flyte.buildah as buildah_mod
-import fuseforge_flyte.image as image_mod
-from fuseforge_flyte.base_image import SUITE_PYTHON, check_name, make_base_image
-from fuseforge_flyte.buildah import (
+import fuseforge_flyte.image.buildah as buildah_mod
+import fuseforge_flyte.image.docker as docker_mod
+import fuseforge_flyte.image.registration as registration_mod
+import fuseforge_flyte.image.spec as spec_mod
+from fuseforge_flyte.config import load_config
+from fuseforge_flyte.image import IMAGE_UID, ImageBuildError
+from fuseforge_flyte.image.base import SUITE_PYTHON, check_name, make_base_image
+from fuseforge_flyte.image.buildah import (
     BuildahImageBuilder,
     buildah_problem,
     is_loopback,
     qualified,
     render_buildah_context,
 )
-from fuseforge_flyte.config import load_config
-from fuseforge_flyte.image import UID_CHECK_COMMAND, FuseforgeImageBuilder, training_image
-from fuseforge_flyte.image_build import IMAGE_UID, STAGED_SOURCE_DIR, ImageBuildError
-from fuseforge_flyte.registry import registry_has_image, split_image_name
+from fuseforge_flyte.image.docker import FuseforgeImageBuilder
+from fuseforge_flyte.image.registry import registry_has_image, split_image_name
+from fuseforge_flyte.image.sources import STAGED_SOURCE_DIR
+from fuseforge_flyte.image.spec import UID_CHECK_COMMAND, training_image
 from local_index import serve_index, wheel_from_installed, write_wheel
 from oci_pull import pull, unpack
 
@@ -163,7 +167,7 @@ def tools(tmp_path, monkeypatch):
     folder = tmp_path / "bin"
     folder.mkdir()
     monkeypatch.setenv("PATH", str(folder))
-    monkeypatch.setattr(image_mod, "check_locked", lambda spec, config=None: None)
+    monkeypatch.setattr(docker_mod, "check_locked", lambda spec, config=None: None)
     return folder
 
 
@@ -294,11 +298,11 @@ def probe_spec(config, index) -> ImageSpec:
 @pytest.fixture
 def registering(monkeypatch, tmp_path):
     """As in `pyflyte run --remote` on this machine: no Docker daemon; the registry asked, never Docker Hub."""
-    monkeypatch.setattr(image_mod, "registration_command", lambda: "pyflyte run --remote")
-    monkeypatch.setattr(image_mod, "_SEEN_REGISTRATION", [])  # what training_image() records stays here
-    monkeypatch.setattr(image_mod, "check_locked", lambda spec, config=None: None)  # the probe lock stands in
+    monkeypatch.setattr(docker_mod, "registration_command", lambda: "pyflyte run --remote")
+    monkeypatch.setattr(registration_mod, "_SEEN_REGISTRATION", [])  # what training_image() records stays here
+    monkeypatch.setattr(docker_mod, "check_locked", lambda spec, config=None: None)  # the probe lock stands in
     monkeypatch.setattr(ImageSpec, "exist", lambda self: pytest.fail("asked Docker / Docker Hub, not the registry"))
-    monkeypatch.delenv(image_mod.IMAGE_CHECK_ENV, raising=False)
+    monkeypatch.delenv(docker_mod.IMAGE_CHECK_ENV, raising=False)
     no_daemon = tmp_path / "no-daemon"
     executable(no_daemon, "docker", DAEMON_DOWN)
     return no_daemon
@@ -376,7 +380,7 @@ def test_images_build_py_builds_and_pushes_without_a_docker_daemon(registry, ind
     for key, value in {"REGISTRY": registry, "TAG": "cli", "BASE_IMAGE": BASE, "PYTHON_VERSION": PYTHON,
                        "APT_PACKAGES": "[]"}.items():
         monkeypatch.setenv(f"FUSEFORGE__IMAGE__{key}", value)
-    monkeypatch.setattr(image_mod, "training_image", lambda config: probe_spec(config, index))
+    monkeypatch.setattr(spec_mod, "training_image", lambda config: probe_spec(config, index))
     monkeypatch.setattr(sys, "argv", ["images/build.py"])
     with pytest.raises(SystemExit) as done:
         runpy.run_path(str(REPO / "images" / "build.py"), run_name="__main__")

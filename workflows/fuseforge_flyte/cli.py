@@ -61,8 +61,8 @@ def cmd_config(args: argparse.Namespace, config: PlatformConfig) -> int:
 
 
 def requirements_txt(config: PlatformConfig) -> str:
-    from fuseforge_flyte.image import image_packages
-    from fuseforge_flyte.image_build import find_checkout
+    from fuseforge_flyte.image.requirements import image_packages
+    from fuseforge_flyte.image.sources import find_checkout
 
     packages = [p for p in image_packages(config, find_checkout()) if p != config.image.torch]
     return REQUIREMENTS_HEADER + "\n".join(packages) + "\n"
@@ -74,7 +74,8 @@ def cmd_requirements(args: argparse.Namespace, config: PlatformConfig) -> int:
 
 
 def cmd_build_image(args: argparse.Namespace, config: PlatformConfig) -> int:
-    from fuseforge_flyte.image import FuseforgeImageBuilder, render_docker_context, training_image
+    from fuseforge_flyte.image.docker import FuseforgeImageBuilder, render_docker_context
+    from fuseforge_flyte.image.spec import training_image
 
     spec = training_image(config)
     if args.render:
@@ -87,7 +88,7 @@ def cmd_build_image(args: argparse.Namespace, config: PlatformConfig) -> int:
 
 
 def cmd_build_base(args: argparse.Namespace, config: PlatformConfig) -> int:
-    from fuseforge_flyte.base_image import make_base_image
+    from fuseforge_flyte.image.base import make_base_image
 
     name = make_base_image(config.image.base_image, config.image.python_version, suite=args.suite,
                            mirror=args.mirror, replace=args.replace)
@@ -97,7 +98,7 @@ def cmd_build_base(args: argparse.Namespace, config: PlatformConfig) -> int:
 
 def pyflyte_command(config: PlatformConfig, workflow: str, remote: bool, extra: List[str]) -> List[str]:
     """The pyflyte invocation for a workflow; remote runs upload the whole workflows/ tree (--copy all)."""
-    from fuseforge_flyte.image_build import find_checkout
+    from fuseforge_flyte.image.sources import find_checkout
 
     checkout = find_checkout()
     if checkout is None:

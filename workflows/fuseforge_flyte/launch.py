@@ -27,7 +27,7 @@ from kubernetes.client import V1PodSpec, V1Toleration
 from fuseforge_flyte import flyte_checkpoint, quiet, run_outputs
 from fuseforge_flyte.config import RESOLVED_CONFIG_ENV, PlatformConfig
 from fuseforge_flyte.environ import environment
-from fuseforge_flyte.image import training_image
+from fuseforge_flyte.image.spec import training_image
 from fuseforge_flyte.object_store import share_flyte_s3_settings
 from fuseforge_flyte.training import outputs, permanent
 from fuseforge_flyte.training.distributed import SHARED_STORE_ENV

@@ -1,6 +1,5 @@
-"""What both builders of the training image share (flytekit's Docker builder in image.py, the daemonless one in
-buildah.py): the clean copy of the source checkout that ImageSpec.copy names, the uid of the image's user, and
-the error a build that cannot happen here raises."""
+"""The clean copy of the source checkout that ImageSpec.copy names, as both builders (flytekit's Docker builder
+and buildah) put it into the image: the files a wheel build of fuseforge needs, caches left out."""
 
 from __future__ import annotations
 
@@ -13,23 +12,17 @@ from typing import Iterator, List, Optional, Tuple
 
 from flytekit.image_spec.image_spec import ImageSpec
 
+from fuseforge_flyte.image import ImageBuildError
+
 STAGED_SOURCE_DIR = "fuseforge-src"  # inside the Docker context and under /root in the image
 # What a wheel build of fuseforge needs from the checkout (README.md/LICENSE when present).
 SOURCE_PATHS = ("pyproject.toml", "README.md", "LICENSE", "kernels", "workflows")
 _IGNORED = ("__pycache__", "*.pyc", "*.pyo", "*.egg-info", ".pytest_cache", "build", "dist")
-# uid/gid of the image's user "flytekit", which the Helm chart's pods run as (platform.podSecurityContext):
-# Kubernetes can only check runAsNonRoot against a numeric uid, and /root (where Flyte runs tasks) is its.
-# images/Dockerfile creates the user with it; the ImageSpec build (flytekit creates the user) checks it.
-IMAGE_UID = 1001
-
-
-class ImageBuildError(RuntimeError):
-    """The image cannot be built on this machine (no Docker, no source checkout)."""
 
 
 def find_checkout() -> Optional[Path]:
     """The fuseforge source checkout this package runs from, or None (installed from a wheel)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
     if (root / "pyproject.toml").is_file() and (root / "kernels" / "fuseforge").is_dir():
         return root
     return None

@@ -25,8 +25,9 @@ from typing import List, Optional
 from flytekit.constants import CopyFileDetection
 from flytekit.image_spec.image_spec import ImageBuildEngine, ImageSpec, ImageSpecBuilder
 
-from fuseforge_flyte.image_build import IMAGE_UID, ImageBuildError, in_staged_sources
-from fuseforge_flyte.registry import registry_has_image, split_image_name
+from fuseforge_flyte.image import IMAGE_UID, ImageBuildError
+from fuseforge_flyte.image.sources import in_staged_sources
+from fuseforge_flyte.image.registry import registry_has_image, split_image_name
 
 BUILDER_NAME = "fuseforge-buildah"
 STORAGE_FLAGS = ("--storage-driver", "vfs")
@@ -165,7 +166,7 @@ def render_buildah_context(spec: ImageSpec, out_dir: os.PathLike | str) -> Path:
            "UV_NO_CACHE": "1", "VIRTUAL_ENV": VENV, "PATH": f"{VENV}/bin:$PATH", "FLYTE_SDK_RICH_TRACEBACKS": "0",
            "PYTHONPATH": "/root", **(spec.env or {})}
     lines = [
-        "# Rendered by fuseforge_flyte.buildah from the ImageSpec; built with `buildah bud --isolation chroot`.",
+        "# Rendered by fuseforge_flyte.image.buildah from the ImageSpec; built with `buildah bud --isolation chroot`.",
         f"FROM {qualified(spec.base_image or 'debian:bookworm-slim')}",
         "USER root",
         "WORKDIR /",
@@ -178,7 +179,7 @@ def render_buildah_context(spec: ImageSpec, out_dir: os.PathLike | str) -> Path:
     lines += [
         "COPY uv /usr/local/bin/uv",
         "ENV " + " ".join(f"{key}={json.dumps(value)}" for key, value in env.items()),
-        # The uid the Helm chart's pods run as (fuseforge_flyte.image_build.IMAGE_UID), as images/Dockerfile makes it.
+        # The uid the Helm chart's pods run as (fuseforge_flyte.image.IMAGE_UID), as images/Dockerfile makes it.
         f"RUN id -u flytekit >/dev/null 2>&1 || useradd --uid {IMAGE_UID} --user-group --create-home --shell /bin/bash flytekit",
         f"RUN uv venv --python {spec.python_version or '.'.join(map(str, sys.version_info[:2]))} {VENV}",
     ]

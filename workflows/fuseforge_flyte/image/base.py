@@ -18,8 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from fuseforge_flyte.buildah import STORAGE_FLAGS, buildah, buildah_problem, has_local_image
-from fuseforge_flyte.image_build import ImageBuildError
+from fuseforge_flyte.image import ImageBuildError
+from fuseforge_flyte.image.buildah import STORAGE_FLAGS, buildah, buildah_problem, has_local_image
 
 DEFAULT_SUITE = "bookworm"
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
