@@ -6,7 +6,7 @@
     python -m fuseforge_flyte.cli build-base                  # a Debian base made here, for buildah (no pulls)
     python -m fuseforge_flyte.cli requirements                # the image's pip requirements (images/requirements.txt)
     python -m fuseforge_flyte.cli run [--remote] train --model tiny-llama --steps 20
-    python -m fuseforge_flyte.cli run --recipe recipes/sft-tiny-chat.yaml train --steps 5
+    python -m fuseforge_flyte.cli run --recipe recipes/tiny-chat.yaml train --steps 5
 
 Global options: --config FILE (same as FUSEFORGE_CONFIG) and --set SECTION.KEY=VALUE (repeatable, same as
 FUSEFORGE__SECTION__KEY); both are passed on to pyflyte by `run`.

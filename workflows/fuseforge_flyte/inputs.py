@@ -1,6 +1,6 @@
 """The training settings as flat Flyte inputs, from one source: TrainSpec's fields.
 
-The `train_model` task and the `train`/`compare` workflows take the same ~30 settings as separate inputs,
+The `train_model` task and the `train`, `distill` and `compare` workflows take the same ~30 settings as separate inputs,
 so `pyflyte run ... --steps 40 --strategy fsdp` stays flat. Rather than spelling them out in each
 signature, `training_inputs` gives a function `def f(<own inputs>, **settings)` the TrainSpec fields as
 keyword inputs: the type (str-valued choices become Enums, i.e. click choices), the default (platform.toml's

@@ -3,7 +3,7 @@
 (rank 0), everything else on stderr. Usable without Flyte, on one machine or with torchrun on a cluster::
 
     python -m fuseforge_flyte.training --model tiny-llama --steps 20 --no-kernels
-    python -m fuseforge_flyte.training --recipe recipes/sft-tiny-chat.yaml --steps 5 --output_dir out
+    python -m fuseforge_flyte.training --recipe recipes/tiny-chat.yaml --steps 5 --output_dir out
     torchrun --nproc-per-node 8 -m fuseforge_flyte.training --model llama-1b --strategy fsdp
 
 A user error (bad option, data, model, resume settings) ends with one line naming the option and its fix; the
