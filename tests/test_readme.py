@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from docs_text import README, ROOT
-from local_runs import local_run_env
 
 TEXT = README.read_text()
 RUNNABLE = re.compile(r"<!-- runnable -->\n```bash\n(.*?)```", re.DOTALL)
@@ -61,7 +60,7 @@ def scratch_checkout(tmp_path: Path) -> Path:
 @pytest.mark.parametrize("block", RUNNABLE.findall(TEXT), ids=lambda block: block.strip().splitlines()[-1][:60])
 def test_a_runnable_block_runs_as_written(tmp_path, block):
     work = scratch_checkout(tmp_path)
-    env = local_run_env(TMPDIR=str(tmp_path), FUSEFORGE_CACHE=str(tmp_path / "cache"))
+    env = dict(os.environ, TMPDIR=str(tmp_path), FUSEFORGE_CACHE=str(tmp_path / "cache"))
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=work, env=env, capture_output=True,
                           text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

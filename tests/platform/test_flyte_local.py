@@ -9,6 +9,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import shutil
 import time
 import textwrap
 
@@ -184,6 +185,25 @@ def test_data_preparation_is_cached_on_the_contents(tmp_path, monkeypatch):
     data.write_text("\n".join(lines[:-1]) + "\n")  # same path, other contents: prepared again
     third = prepare_only(dataset=str(data), seq_len=32)
     assert len(calls) == 2 and third.path != first.path
+
+
+def test_a_removed_local_cache_is_a_miss_not_a_hit_on_missing_files(tmp_path, monkeypatch):
+    """flytekit's local task cache outlives fuseforge's cache folder: once that folder is removed (a cleaned
+    ~/.cache, another FUSEFORGE_CACHE), the same preparation is done again instead of handing training a folder
+    that is gone."""
+    import fuseforge_flyte.data.prepare as prepare_module
+
+    calls = []
+    real = prepare_module.prepare
+    monkeypatch.setattr(prepare_module, "prepare", lambda spec, out: calls.append(spec.dataset) or real(spec, out))
+    monkeypatch.setenv("FUSEFORGE_CACHE", str(tmp_path / "cache"))
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(f'{{"prompt": "Say {i} {time.time_ns()}.", "completion": "{i}."}}' for i in range(40)))
+    first = prepare_only(dataset=str(data), seq_len=32)
+    assert prepare_only(dataset=str(data), seq_len=32).path == first.path and len(calls) == 1  # a hit
+    shutil.rmtree(tmp_path / "cache")
+    again = prepare_only(dataset=str(data), seq_len=32)
+    assert len(calls) == 2 and os.path.isdir(again.path)
 
 
 @pytest.mark.parametrize("rows,match", [

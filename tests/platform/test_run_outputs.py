@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from local_runs import local_run_env
 from fuseforge_flyte.comparison import Comparison
 from fuseforge_flyte.training.dpo import PreferenceMetrics
 from fuseforge_flyte.training.spec import TrainMetrics
@@ -35,7 +34,7 @@ def clean_run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("run")
     temp = cwd / "tmp"
     temp.mkdir()
-    env = local_run_env(TMPDIR=str(temp), FUSEFORGE_CACHE=str(cwd / "cache"))
+    env = dict(os.environ, TMPDIR=str(temp), FUSEFORGE_CACHE=str(cwd / "cache"))
     done = subprocess.run([PYFLYTE, "run", str(REPO / "workflows" / "train.py"), "train", "--steps", "2"],
                           cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

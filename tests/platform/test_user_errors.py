@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from local_runs import local_run_env
 from fuseforge_flyte import hub
 from fuseforge_flyte.data.prepare import prepare
 from fuseforge_flyte.data.sources import load_source
@@ -214,7 +213,7 @@ def test_too_small_data_fails_in_the_launcher_before_any_worker_starts(small_dat
 
 
 def _pyflyte(tmp_path, *args, timeout=300):
-    env = local_run_env(FUSEFORGE_CACHE=str(tmp_path / "cache"), HF_ENDPOINT="http://127.0.0.1:9")
+    env = dict(os.environ, FUSEFORGE_CACHE=str(tmp_path / "cache"), HF_ENDPOINT="http://127.0.0.1:9")
     start = time.perf_counter()
     done = subprocess.run([PYFLYTE, "run", str(REPO / "workflows" / "train.py"), "train", "--steps", "1", *args],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)

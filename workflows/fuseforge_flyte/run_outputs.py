@@ -44,6 +44,25 @@ def task_output_dir(kind: str) -> str:
     return path
 
 
+def local_outputs_identity() -> str:
+    """Locally, the identity of the folder that holds the cached tasks' outputs (a random id kept in it, made when
+    missing); "" on a cluster. It joins the key prepare_data is cached on, so that a cache entry whose folder was
+    removed (a cleaned cache, another FUSEFORGE_CACHE) is a miss instead of a hit on files that are gone."""
+    if not is_local_run():
+        return ""
+    root = cache_root("task-outputs")
+    marker = os.path.join(root, ".identity")
+    if not os.path.exists(marker):  # the first run under this root: one id for as long as the folder lives
+        os.makedirs(root, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=root, prefix=".identity.", delete=False) as f:
+            f.write(uuid.uuid4().hex)
+        with contextlib.suppress(FileExistsError):  # runs started at once: the first link wins, whole
+            os.link(f.name, marker)
+        os.unlink(f.name)
+    with open(marker) as f:
+        return f.read().strip()
+
+
 def returned_directory(path: str):
     """The FlyteDirectory a task returns for `path`: used where it is locally, uploaded on a cluster."""
     from flytekit.types.directory import FlyteDirectory

@@ -33,7 +33,7 @@ from fuseforge_flyte.fast_register import ship_whole_source_root
 from fuseforge_flyte.inputs import DataFormat, spec_values, summary_only, training_inputs
 from fuseforge_flyte.launch import (data_task_options, on_every_worker, summary_task_options,
                                     training_task_options)
-from fuseforge_flyte.run_outputs import returned_directory, task_output_dir
+from fuseforge_flyte.run_outputs import local_outputs_identity, returned_directory, task_output_dir
 from fuseforge_flyte.sampling import Samples
 from fuseforge_flyte.training import outputs
 from fuseforge_flyte.training.spec import TrainMetrics, TrainSpec
@@ -99,7 +99,9 @@ def fingerprint_data(dataset: DataSource, eval_dataset: str, tokenizer: str, mod
 
     if isinstance(dataset, (FlyteFile, FlyteDirectory)) and dataset.remote_source:
         dataset = dataset.remote_source  # uploaded: the store's own identity, no download
-    return fingerprint(source_path(dataset), eval_dataset, tokenizer, model)
+    key = fingerprint(source_path(dataset), eval_dataset, tokenizer, model)
+    local = local_outputs_identity()  # locally the shards stay in fuseforge's cache: a removed one is a miss
+    return f"{key}-{local}" if local else key
 
 
 @task(**data_task_options(CONFIG), cache=True, cache_version=DATA_CACHE_VERSION, cache_ignore_input_vars=("dataset",))
