@@ -916,3 +916,83 @@ def test_default_checkpoint_location_is_one_node_only(caplog):
     with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
         assert restore_previous(SyncCheckpoint(checkpoint_dest="/unused"), nnodes=2, launch_env=env) is None
     assert env == {} and "set checkpoint_dir to an object store" in caplog.text
+
+
+# ----------------------------------------------------------------- issue 49: lost work from verified facts
+
+
+def test_each_restart_counts_only_the_steps_it_repeated(tmp_path, monkeypatch):
+    """Furthest step 10, checkpoint at 6; two restarts die after step 7 (1 repeated each), the third finishes
+    (7..10 repeated, 11..12 new): 1 + 1 + 4 = 6 steps redone, not 3 x (10 - 6) = 12."""
+    spec = _spec(tmp_path, steps=12, checkpoint_every=6)
+    _interrupt(monkeypatch, spec, 10)
+    _interrupt(monkeypatch, spec, 7)
+    _interrupt(monkeypatch, spec, 7)
+    resumed = train(spec)
+    assert resumed.resumed_from_step == 6 and resumed.steps_redone == 6
+
+
+def test_a_kill_between_a_step_and_anything_after_it_still_counts_that_step(tmp_path, monkeypatch):
+    """Step 5's update is done, then the process dies before anything after it is written: the restart from the
+    checkpoint at step 4 redoes step 5, and says 1."""
+    from fuseforge_flyte.training import engine
+
+    spec = _spec(tmp_path)
+    real = engine._Run._one_step
+
+    def dies_after_step_5(self, micro_batches, step):
+        result = real(self, micro_batches, step)
+        if step == 5:
+            raise InjectedFault("killed right after step 5's update")
+        return result
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine._Run, "_one_step", dies_after_step_5)
+        with pytest.raises(InjectedFault):
+            train(spec)
+    resumed = train(spec)
+    assert resumed.resumed_from_step == 4 and resumed.steps_redone == 1
+
+
+def test_an_unreadable_progress_record_falls_back_to_the_checkpoints_and_says_so(tmp_path, monkeypatch, caplog):
+    """Attempt 2 redoes step 5 and saves step 6 (carrying 1 redone step); then progress.json is garbage: the figure
+    falls back to the resumed checkpoint's 1 (a lower bound, said), not 0."""
+    spec = _spec(tmp_path)
+    _interrupt(monkeypatch, spec, 5)
+    _interrupt(monkeypatch, spec, 7)
+    (tmp_path / "progress.json").write_bytes(b"\xff\xfe{not json")
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert resumed.resumed_from_step == 6 and resumed.steps_redone == 1
+    assert _warned(caplog, "ignoring unreadable", "progress.json", "lower bound")
+
+
+@pytest.mark.parametrize("edit", ["changed", "unsigned"])
+def test_an_edited_progress_record_is_ignored_and_said(tmp_path, monkeypatch, caplog, edit):
+    """furthest_step edited to 1000 (the signature kept, or dropped): ignored with a warning, the figure counted
+    from the signed checkpoint (0 here: step 7 of the first attempt is not in any verified record), never 994."""
+    spec = _spec(tmp_path)
+    _interrupt(monkeypatch, spec, 7)
+    record = json.loads((tmp_path / "progress.json").read_text())
+    record["furthest_step"] = 1000
+    if edit == "unsigned":
+        record = {k: v for k, v in record.items() if k not in ("hmac", "key_id")}
+    (tmp_path / "progress.json").write_text(json.dumps(record))
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert resumed.resumed_from_step == 6 and resumed.steps_redone == 0
+    assert _warned(caplog, "ignoring", "progress.json", "does not match" if edit == "changed" else "not signed")
+
+
+def test_without_a_key_an_edited_progress_record_is_capped_at_the_run_s_steps(tmp_path, monkeypatch, caplog):
+    """Unsigned checkpoints (no key, the opt-in): the record cannot be authenticated, but counts at most up to the
+    run's steps: resumed at 6 of 8, at most 2 steps can be repeated."""
+    _no_configured_key(monkeypatch)
+    monkeypatch.setenv("FUSEFORGE_CHECKPOINT_REQUIRE_KEY", "1")
+    spec = _spec(tmp_path, allow_unsigned_checkpoints=True)
+    _interrupt(monkeypatch, spec, 7)
+    (tmp_path / "progress.json").write_text(json.dumps({"furthest_step": 1000, "steps_redone": 0}))
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert resumed.resumed_from_step == 6 and resumed.steps_redone == 2
+    assert _warned(caplog, "progress.json records step 1000, beyond this run's steps=8")

@@ -11,7 +11,7 @@ One module per concern:
     compatibility.py  whether a verified checkpoint fits this run (model, strategy, run settings)
     schedule.py       the restored optimizer and LR schedule retargeted to allowed changes
     collectives.py    agreement between ranks on each step of a save or a check
-    progress.py       progress.json: the furthest step and the steps redone
+    progress.py       progress.json: the furthest step and the steps redone, from signed records
     reader.py         reading a checkpoint root, trusting only what verifies
     manager.py        CheckpointManager: save and resume, on every rank together
 """

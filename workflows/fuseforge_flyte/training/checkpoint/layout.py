@@ -10,7 +10,7 @@ Layout under ``checkpoint_dir``::
         dcp/, scheduler.pt                          fsdp: torch.distributed.checkpoint shards
         deepspeed/state/                            deepspeed: save_checkpoint's per-rank files
         SKIPPED.json          added if this checkpoint failed to load and an older one was used
-    progress.json             furthest step reached, steps redone so far
+    progress.json             furthest step begun, steps redone so far (signed like the manifest; progress.py)
     .tmp-step_...-<token>/    a save in progress on a local filesystem (renamed into place when complete)
 """
 

@@ -82,7 +82,8 @@ class CheckpointManager(CheckpointReader):
         self.model_config = model_config_for_resume(model_config or {})
         self.settings = jsonable(settings or {})
         self.allowed = parse_allowed_changes(allow_changes)
-        self.progress = Progress(self.store, ctx)
+        self.progress = Progress(self.store, ctx, self.signing)
+        self._carried: Optional[Dict] = None  # the progress record in the resumed checkpoint's trainer state
         self.last_saved_step: Optional[int] = None
         self._last_total: Optional[int] = None  # bytes of the last checkpoint (rank 0)
         self._last_own: Optional[int] = None  # bytes this rank wrote into it (object stores: local staging)
@@ -139,6 +140,7 @@ class CheckpointManager(CheckpointReader):
         if self.ctx.is_main:
             with open(os.path.join(work, STATE), "w", encoding="utf-8") as handle:
                 json.dump(dict(trainer_state, format=FORMAT_VERSION, step=step, strategy=self.strategy.name,
+                               progress=self.progress.saved(),
                                world_size=self.ctx.world_size, model_fingerprint=self.fingerprint,
                                model_config=self.model_config, settings=self.settings), handle)
 
@@ -294,6 +296,7 @@ class CheckpointManager(CheckpointReader):
                     log.info("resumed from checkpoint %s", self.store.path(entry.name))
                 self._last_total = sum(e["size"] for e in verdict.marker["files"].values())
                 self.last_saved_step = entry.step
+                self._carried = verdict.state.get("progress")
                 return verdict.state
             if self.ctx.is_main:
                 log.warning("skipping checkpoint %s: %s", self.store.path(entry.name), reason)
@@ -422,9 +425,15 @@ class CheckpointManager(CheckpointReader):
 
     # ------------------------------------------------------------ progress
 
-    def start_progress(self, resumed_step: int) -> int:
-        """Account for steps lost since the last checkpoint; returns the run's total steps redone."""
-        return self.progress.start(resumed_step)
+    def start_progress(self, resumed_step: int, steps: int) -> int:
+        """Begin this attempt's lost-work count (progress.py); returns the steps redone by earlier attempts."""
+        return self.progress.start(resumed_step, steps, self._carried)
 
-    def record_progress(self, step: int) -> None:
-        self.progress.record(step)
+    def begin_step(self, step: int) -> None:
+        """Step `step` is about to run (recorded first: a kill during it counts it as lost work)."""
+        self.progress.begin(step)
+
+    @property
+    def steps_redone(self) -> int:
+        """Steps this run has computed again after restarts, so far (progress.py says how they are counted)."""
+        return self.progress.steps_redone
