@@ -628,12 +628,20 @@ def test_a_directory_of_unsigned_checkpoints_stops_the_run_without_loading_any(t
 
 
 def test_the_opt_in_loads_an_unsigned_checkpoint_and_warns_before_its_bytes_are_read(tmp_path, monkeypatch):
-    spec, flag = _unsigned_payload_in_newest(tmp_path, monkeypatch)
-    seen = []  # (message, had the payload run when it was logged?)
+    _no_configured_key(monkeypatch)
+    spec = _spec(tmp_path / "ckpt", strategy="fsdp", steps=6)
+    _interrupt(monkeypatch, spec, 5)
+    _rehash(tmp_path / "ckpt" / "step_00000004", unsigned=True)
+    seen = []  # (message, had DCP's metadata been read when it was logged?)
+    from fuseforge_flyte.training.checkpoint import dcp_metadata
+
+    real_load = dcp_metadata.load
+    loaded = []
+    monkeypatch.setattr(dcp_metadata, "load", lambda stream: loaded.append(1) or real_load(stream))
 
     class Recorder(logging.Handler):
         def emit(self, record):
-            seen.append((record.getMessage(), flag.exists()))
+            seen.append((record.getMessage(), bool(loaded)))
 
     logger = logging.getLogger("fuseforge.training")
     recorder = Recorder(level=logging.WARNING)
@@ -642,10 +650,47 @@ def test_the_opt_in_loads_an_unsigned_checkpoint_and_warns_before_its_bytes_are_
         resumed = train(dataclasses.replace(spec, allow_unsigned_checkpoints=True))
     finally:
         logger.removeHandler(recorder)
-    assert flag.exists() and resumed.resumed_from_step == 4  # opted in: loaded, and its code ran
-    said = [ran for message, ran in seen if "step_00000004" in message and "not signed" in message
+    assert resumed.resumed_from_step == 4 and loaded  # opted in: loaded, its metadata through the allow-list
+    said = [read for message, read in seen if "step_00000004" in message and "not signed" in message
             and "allow_unsigned_checkpoints is set" in message]
     assert said == [False]  # said once, before any byte of it reached the unpickler
+
+
+@pytest.mark.parametrize("stealthy", [False, True], ids=["payload", "stealthy-payload"])
+def test_even_with_the_opt_in_a_planted_dcp_pickle_runs_no_code_and_stops_the_run(tmp_path, monkeypatch, stealthy):
+    """Issue 49: under allow_unsigned_checkpoints the unsigned .metadata passes the manifest check, but it is read
+    through an allow-list unpickler: refused naming the file, the run stops (exit 2: a user error) instead of
+    falling back to step 2 and finishing with exit 0."""
+    from fuseforge_flyte.user_errors import user_error_line
+
+    spec, flag = _unsigned_payload_in_newest(tmp_path, monkeypatch, stealthy)
+    with pytest.raises(CheckpointError) as refused:
+        train(dataclasses.replace(spec, allow_unsigned_checkpoints=True))
+    assert not flag.exists()
+    line = user_error_line(refused.value)
+    assert line and "step_00000004" in line and "file dcp/.metadata was refused: it names " in line
+    assert "delete" in line and "falling back" in line
+    assert not list((tmp_path / "ckpt").glob(f"step_*/{SKIPPED}"))
+    assert _checkpoints(tmp_path / "ckpt") == ["step_00000002", "step_00000004"]  # nothing trained over them
+
+
+def test_dcp_metadata_reads_through_the_allow_list_exactly(fsdp_reference, tmp_path):
+    """What a real FSDP save pickles is admitted (same object as pickle.load gives); a payload is refused."""
+    import pickle
+
+    from fuseforge_flyte.training.checkpoint import dcp_metadata
+
+    spec = _spec(tmp_path, strategy="fsdp", steps=2)
+    train(spec)
+    path = tmp_path / "step_00000002" / "dcp" / ".metadata"
+    with open(path, "rb") as handle:
+        restricted = dcp_metadata.load(handle)
+    assert restricted == pickle.loads(path.read_bytes())
+    flag = tmp_path / "code-ran"
+    path.write_bytes(pickle.dumps(_Payload(str(flag))))
+    assert "file dcp/.metadata was refused: it names posix.mkdir" in dcp_metadata.refusal(
+        str(tmp_path / "step_00000002"), {"dcp/.metadata": {}})
+    assert not flag.exists()
 
 
 def test_a_planted_skip_mark_in_the_newest_signed_checkpoint_is_ignored_and_said(reference, tmp_path, monkeypatch,

@@ -38,7 +38,8 @@ import torch
 from fuseforge_flyte.training.checkpoint.collectives import PhaseFailed, first_reason, gather, on_every_rank
 from fuseforge_flyte.training.checkpoint.compatibility import (checkpoint_verdict, jsonable, model_config_for_resume,
                                                                parse_allowed_changes)
-from fuseforge_flyte.training.checkpoint.errors import CheckpointError, ResumeMismatch
+from fuseforge_flyte.training.checkpoint import dcp_metadata
+from fuseforge_flyte.training.checkpoint.errors import CheckpointError, CheckpointUserError, ResumeMismatch
 from fuseforge_flyte.training.checkpoint.integrity import check_file, digest_files
 from fuseforge_flyte.training.checkpoint.layout import (FORMAT_VERSION, MARKER, SKIPPED, STATE, TMP_PREFIX, Entry,
                                                         checkpoint_name)
@@ -367,11 +368,24 @@ class CheckpointManager(CheckpointReader):
                 staging = directory = tempfile.mkdtemp(prefix=f"fuseforge-{entry.name}-")
                 reason = first_reason(self.ctx, lambda: self._download_checked(entry, files, staging))
             if reason is None:
+                self._refuse_code(entry, directory, files)
                 reason = first_reason(self.ctx, lambda: self._load_checked(directory, changed), loading=True)
         finally:
             if staging:
                 shutil.rmtree(staging, ignore_errors=True)
         return reason
+
+    def _refuse_code(self, entry: Entry, directory: str, files: Dict[str, Dict]) -> None:
+        """Stop, on every rank, when a checked checkpoint holds a DCP pickle that could run code (dcp_metadata.py).
+        Its files match its manifest, so no torn write or bit rot made it: falling back to an older checkpoint
+        would hide a deliberate change, so the run stops and says where."""
+        refused = self.ctx.broadcast_object(dcp_metadata.refusal(directory, files) if self.ctx.is_main else None)
+        if refused:
+            where = self.store.path(entry.name)
+            raise CheckpointUserError(
+                f"checkpoint {where}: {refused}; its files match its manifest, so it was changed on purpose, not "
+                f"damaged. Nothing of it was loaded and the run stops instead of falling back to an older "
+                f"checkpoint: delete {where}, check who can write to the checkpoint_dir, then rerun")
 
     def _check_in_place(self, directory: str, files: Dict[str, Dict]) -> Optional[str]:
         names = sorted(files)
