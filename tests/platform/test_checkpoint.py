@@ -1041,3 +1041,28 @@ def test_without_a_key_an_edited_progress_record_is_capped_at_the_run_s_steps(tm
         resumed = train(spec)
     assert resumed.resumed_from_step == 6 and resumed.steps_redone == 2
     assert _warned(caplog, "progress.json records step 1000, beyond this run's steps=8")
+
+
+# ----------------------------------------------------------------- issue 49: pruning removes only what a save wrote
+
+
+def test_pruning_keeps_the_user_s_files_and_cleans_the_platform_s_leftovers(tmp_path, monkeypatch, caplog):
+    """A regular file and a folder of the user's named like checkpoints stay; an earlier attempt's incomplete
+    checkpoint newer than the newest, a torn progress.json temp file and an unfinished save go, each said."""
+    spec = _spec(tmp_path, steps=6, keep_last=1)
+    (tmp_path / "step_00000001").write_text("my notes")
+    (tmp_path / "step_00000003").mkdir()
+    (tmp_path / "step_00000003" / "notes.txt").write_text("mine too")
+    leftover = tmp_path / "step_00000007"  # what an interrupted upload of a longer earlier run leaves
+    (leftover / "rng").mkdir(parents=True)
+    (leftover / "trainer_state.json").write_text("{}")
+    (tmp_path / "progress.json.0123abcd.tmp").write_text('{"furthest_step": 3')
+    (tmp_path / ".tmp-step_00000009-0123456789ab").mkdir()
+    with caplog.at_level(logging.INFO, logger="fuseforge.training"):
+        assert train(spec).steps == 6
+    assert (tmp_path / "step_00000001").read_text() == "my notes"
+    assert (tmp_path / "step_00000003" / "notes.txt").read_text() == "mine too"
+    assert sorted(os.listdir(tmp_path)) == ["progress.json", "step_00000001", "step_00000003", "step_00000006"]
+    assert _warned(caplog, "removed incomplete checkpoint", "step_00000007")
+    assert _warned(caplog, "removing", "progress.json.0123abcd.tmp", "interrupted write")
+    assert _warned(caplog, "leaving", "step_00000003", "notes.txt")

@@ -42,7 +42,7 @@ from fuseforge_flyte.training.checkpoint import dcp_metadata
 from fuseforge_flyte.training.checkpoint.errors import CheckpointError, CheckpointUserError, ResumeMismatch
 from fuseforge_flyte.training.checkpoint.integrity import check_file, digest_files
 from fuseforge_flyte.training.checkpoint.layout import (FORMAT_VERSION, MARKER, SKIPPED, STATE, TMP_PREFIX, Entry,
-                                                        checkpoint_name)
+                                                        checkpoint_name, foreign_names, temp_dir, temp_file)
 from fuseforge_flyte.training.checkpoint.progress import Progress
 from fuseforge_flyte.training.checkpoint.reader import CheckpointReader
 from fuseforge_flyte.training.checkpoint.rng import rng_state, set_rng_state
@@ -260,12 +260,36 @@ class CheckpointManager(CheckpointReader):
         entries = self._entries(log_it=False)
         good = [e for e in entries if e.complete and not e.skipped]
         for entry in good[: max(0, len(good) - self.keep_last)]:
+            if not self._ours(entry.name):
+                continue
             self.store.remove(entry.name)
             log.info("removed old checkpoint %s (keep_last=%d)", entry.name, self.keep_last)
-        newest = good[-1].step if good else -1
-        for entry in entries:  # incomplete leftovers older than a complete one can never finish
-            if not entry.complete and entry.step < newest:
+        for entry in entries:  # incomplete: older ones can never finish, newer ones are an earlier attempt's
+            if not entry.complete and self._ours(entry.name):
                 self.store.remove(entry.name)
+                log.info("removed incomplete checkpoint %s (left by an interrupted save)", self.store.path(entry.name))
+        self._remove_temp()
+
+    def _ours(self, name: str) -> bool:
+        """Whether directory `name` holds only what a save writes; otherwise it is the user's: kept, and said."""
+        foreign = foreign_names(self.store.names(name))
+        if foreign:
+            log.warning("leaving %s alone: it holds %s, which no checkpoint save writes (move it out of the "
+                        "checkpoint_dir)", self.store.path(name), ", ".join(foreign[:3]))
+        return not foreign
+
+    def _remove_temp(self) -> None:
+        """Rank 0, local filesystem: remove what an interrupted write left (its temp names only), saying so."""
+        if not (self.store.local and os.path.isdir(self.store.root)):
+            return
+        for name in sorted(os.listdir(self.store.root)):
+            path = self.store.path(name)
+            if temp_dir(name) and os.path.isdir(path):
+                log.warning("removing unfinished checkpoint write %s", path)
+                shutil.rmtree(path, ignore_errors=True)
+            elif temp_file(name) and os.path.isfile(path):
+                log.warning("removing %s, left by an interrupted write", path)
+                os.unlink(path)
 
     # ------------------------------------------------------------ resume
 
@@ -327,11 +351,7 @@ class CheckpointManager(CheckpointReader):
 
     def _scan(self) -> List[Entry]:
         entries = self._entries(log_it=True)
-        if self.store.local and os.path.isdir(self.store.root):
-            for name in os.listdir(self.store.root):
-                if name.startswith(TMP_PREFIX):
-                    log.warning("removing unfinished checkpoint write %s", self.store.path(name))
-                    shutil.rmtree(self.store.path(name), ignore_errors=True)
+        self._remove_temp()
         for entry in entries:
             if not entry.complete:
                 log.warning("ignoring incomplete checkpoint %s (no %s marker)", self.store.path(entry.name), MARKER)

@@ -34,10 +34,10 @@ class Store:
         if not self.fs.exists(self.root):
             return []
         entries = []
-        for item in self.fs.ls(self.root, detail=False):
-            name = item.rstrip("/").rsplit("/", 1)[-1]
+        for item in self.fs.ls(self.root, detail=True):  # directories only: a file is never a checkpoint
+            name = item["name"].rstrip("/").rsplit("/", 1)[-1]
             step = step_of(name)
-            if step is not None:
+            if step is not None and item.get("type") == "directory":
                 entries.append(Entry(step, name, self.fs.exists(self.path(name, MARKER)),
                                      self.fs.exists(self.path(name, SKIPPED))))
         return sorted(entries, key=lambda e: e.step)
@@ -59,7 +59,14 @@ class Store:
             os.fsync(handle.fileno())
         os.replace(tmp, target)
 
+    def names(self, *parts: str) -> List[str]:
+        """The names directly under root/parts."""
+        return [item.rstrip("/").rsplit("/", 1)[-1] for item in self.fs.ls(self.path(*parts), detail=False)]
+
     def remove(self, name: str) -> None:
+        """Remove checkpoint directory `name` (never a file: pruning removes only what a save wrote)."""
+        if not self.fs.isdir(self.path(name)):
+            raise NotADirectoryError(f"{self.path(name)} is not a checkpoint directory")
         self.fs.rm(self.path(name), recursive=True)
 
 
