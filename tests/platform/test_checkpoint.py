@@ -800,7 +800,9 @@ try:
     train(TrainSpec(model="tiny-llama", dataset="bench:bytes", steps=4, batch_size=2, seq_len=32, kernels=False,
                     checkpoint_dir=sys.argv[1], checkpoint_every=2))
 except CheckpointError as err:
+    from fuseforge_flyte.user_errors import user_error_line
     print("CheckpointError:", err)
+    print("LINE:", user_error_line(err))
     sys.exit(3)
 """
 
@@ -813,6 +815,7 @@ def test_disk_full_while_writing_is_reported_as_such(tmp_path):
     assert done.returncode == 3, output
     assert "writing checkpoint step_00000002 failed: the disk holding" in output and "is full" in output, output
     assert " free of " in output and "unexpected pos" in output
+    assert "LINE: writing checkpoint step_00000002 failed: the disk holding" in output  # a user error: one line, exit 2
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["progress.json"]  # the partial files are gone
 
 
@@ -1066,3 +1069,94 @@ def test_pruning_keeps_the_user_s_files_and_cleans_the_platform_s_leftovers(tmp_
     assert _warned(caplog, "removed incomplete checkpoint", "step_00000007")
     assert _warned(caplog, "removing", "progress.json.0123abcd.tmp", "interrupted write")
     assert _warned(caplog, "leaving", "step_00000003", "notes.txt")
+
+
+# ----------------------------------------------------------------- issue 49: every failure one clear line
+
+
+def _cli(ckpt_dir, *extra, steps=STEPS):
+    """The engine's command line with _spec's settings; its exit status."""
+    from fuseforge_flyte.training import cli
+
+    return cli.main(["--model", "tiny-llama", "--dataset", "bench:bytes", "--steps", str(steps), "--batch_size", "2",
+                     "--seq_len", "32", "--lr", "3e-3", "--warmup_steps", "2", "--no_kernels", "--checkpoint_dir",
+                     str(ckpt_dir), "--checkpoint_every", "2", "--keep_last", "3", "--seed", "3", "--log_level",
+                     "WARNING", *extra])
+
+
+def _one_line(capsys):
+    err = capsys.readouterr().err.splitlines()
+    assert err and err[-1].startswith("error: ") and not any("Traceback" in line for line in err), err[-8:]
+    return err[-1]
+
+
+def test_none_loadable_and_another_key_s_checkpoints_end_with_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    spec = _spec(tmp_path)
+    _interrupt(monkeypatch, spec, 5)  # signed with the per-user key
+    monkeypatch.setenv(KEY_ENV, KEY)
+    assert _cli(tmp_path) == 2
+    line = _one_line(capsys)
+    assert str(tmp_path) in line and "none can be loaded" in line and "signed with another key" in line
+    assert "allow_unsigned_checkpoints=true" in line
+    monkeypatch.delenv(KEY_ENV)
+    for name in ("step_00000002", "step_00000004"):
+        with open(tmp_path / name / "model.pt", "r+b") as handle:
+            handle.truncate(100)
+    assert _cli(tmp_path) == 2
+    line = _one_line(capsys)
+    assert "none can be loaded" in line and "truncated" in line and "fix or move them" in line
+
+
+def _read_only(monkeypatch, directory):
+    """Writing under `directory` fails as on a read-only filesystem (root ignores permission bits)."""
+    import builtins
+    import errno
+
+    real = builtins.open
+
+    def open_(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wxa+") and str(file).startswith(str(directory)):
+            raise OSError(errno.EROFS, "Read-only file system", str(file))
+        return real(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", open_)
+
+
+def test_a_read_only_checkpoint_dir_says_so_and_a_finished_copy_resumes(tmp_path, monkeypatch, capsys, caplog):
+    done, part = _spec(tmp_path / "done", steps=4), _spec(tmp_path / "part", steps=4)
+    train(done)
+    _interrupt(monkeypatch, part, 3)
+    with monkeypatch.context() as patch:
+        _read_only(patch, tmp_path)
+        with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+            resumed = train(done)  # nothing left to train: resumes read-only
+        assert resumed.resumed_from_step == 4 and resumed.steps == 4
+        assert _warned(caplog, "not writable", "Read-only file system", "resumed from it read-only")
+        assert _cli(tmp_path / "part", steps=4) == 2  # steps left: it would fail at its first save
+    line = _one_line(capsys)
+    assert f"checkpoint_dir '{tmp_path / 'part'}' is not writable (OSError: Read-only file system)" in line
+    assert "set checkpoint_dir to that" in line and ".tmp" not in line
+
+
+def test_sigterm_writes_the_metrics_file_with_the_preempted_step_and_one_line(tmp_path, monkeypatch, capsys):
+    from fuseforge_flyte.training.preemption import SIGNAL_ENV
+
+    monkeypatch.setenv(SIGNAL_ENV, "0:3")
+    assert _cli(tmp_path / "ckpt", "--metrics_file", str(tmp_path / "metrics.json")) == 2
+    assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 3
+    assert _one_line(capsys) == (f"error: preempted (SIGTERM) after step 3: checkpoint {tmp_path / 'ckpt' / 'step_00000003'}"
+                                 f" holds it; a restart resumes there")
+
+
+@pytest.mark.parametrize("manifest", [b"{}", bytes(range(128, 256))], ids=["empty", "garbage"])
+def test_an_empty_or_garbage_manifest_is_named_as_such(tmp_path, monkeypatch, caplog, manifest):
+    spec = _spec(tmp_path)
+    _interrupt(monkeypatch, spec, 5)
+    (tmp_path / "step_00000004" / MARKER).write_bytes(manifest)
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert resumed.resumed_from_step == 2
+    expected = ("its manifest COMPLETE.json is {}, not a checkpoint manifest" if manifest == b"{}"
+                else "its manifest COMPLETE.json is not text (128 bytes of binary data)")
+    assert _warned(caplog, "step_00000004", expected)
+    assert not _warned(caplog, "older fuseforge") and not _warned(caplog, "UnicodeDecodeError")

@@ -210,17 +210,21 @@ class CheckpointManager(CheckpointReader):
         kinds = {kind for _, _, kind in failed.failures}
         rank, first, _ = failed.failures[0]
         where = self.store.root if self.store.local else tempfile.gettempdir()
+        if "readonly" in kinds:
+            return CheckpointUserError(
+                f"writing checkpoint {name} failed: {where} is not writable (rank {rank}: {first}): make it "
+                f"writable, or set checkpoint_dir to a directory this run can write")
         if "disk" in kinds:
             free, total = free_bytes(self.store.root if self.store.local else tempfile.gettempdir())
             need = self._expected_total()
-            return CheckpointError(
+            return CheckpointUserError(
                 f"writing checkpoint {name} failed: the disk holding {where} is full (or a quota or file-size "
                 f"limit was hit): {size_text(free)} free of {size_text(total)}, and a checkpoint takes about "
                 f"{size_text(need)}. "
                 f"keep_last={self.keep_last} needs room for {self.keep_last + 1} checkpoints while the newest is "
                 f"written: free space, lower keep_last, or use a bigger volume. (rank {rank}: {first})")
         if "bucket" in kinds:
-            return CheckpointError(
+            return CheckpointUserError(
                 f"uploading checkpoint {name} to {self.store.fs.unstrip_protocol(self.store.root)} failed: the store "
                 f"is full or over its quota: free space or raise the quota, or lower keep_last. "
                 f"(rank {rank}: {first})")
@@ -254,7 +258,7 @@ class CheckpointManager(CheckpointReader):
                            f"about {size_text(need)} needed (set TMPDIR to a bigger volume)")
             problem = next((p for p in gather(self.ctx, problem) if p), None)
         if problem:
-            raise CheckpointError(problem)
+            raise CheckpointUserError(problem)
 
     def _prune(self) -> None:
         entries = self._entries(log_it=False)
@@ -284,12 +288,15 @@ class CheckpointManager(CheckpointReader):
             return
         for name in sorted(os.listdir(self.store.root)):
             path = self.store.path(name)
-            if temp_dir(name) and os.path.isdir(path):
-                log.warning("removing unfinished checkpoint write %s", path)
-                shutil.rmtree(path, ignore_errors=True)
-            elif temp_file(name) and os.path.isfile(path):
-                log.warning("removing %s, left by an interrupted write", path)
-                os.unlink(path)
+            try:
+                if temp_dir(name) and os.path.isdir(path):
+                    log.warning("removing unfinished checkpoint write %s", path)
+                    shutil.rmtree(path)
+                elif temp_file(name) and os.path.isfile(path):
+                    log.warning("removing %s, left by an interrupted write", path)
+                    os.unlink(path)
+            except OSError as err:
+                log.warning("could not remove %s: %s", path, err)
 
     # ------------------------------------------------------------ resume
 
@@ -329,7 +336,7 @@ class CheckpointManager(CheckpointReader):
         if complete:
             detail = "; ".join(f"{e.name}: {why}" for e, _, why in failures) or \
                 "all were marked SKIPPED by an earlier attempt"
-            raise CheckpointError(
+            raise CheckpointUserError(
                 f"checkpoint_dir {self.store.path('')!r} holds checkpoints but none can be loaded ({detail}); "
                 f"refusing to start fresh over them: fix or move them, or use another checkpoint_dir"
             )
@@ -460,7 +467,22 @@ class CheckpointManager(CheckpointReader):
     # ------------------------------------------------------------ progress
 
     def start_progress(self, resumed_step: int, steps: int) -> int:
-        """Begin this attempt's lost-work count (progress.py); returns the steps redone by earlier attempts."""
+        """Begin this attempt's lost-work count (progress.py); returns the steps redone by earlier attempts.
+
+        A checkpoint_dir that cannot be written stops a run that has steps left to train (it would fail at its
+        first save) with one line; a run with nothing left resumes from it read-only."""
+        err = self.store.unwritable() if self.ctx.is_main else None
+        problem = self.ctx.broadcast_object(None if err is None else f"{type(err).__name__}: {err.strerror or err}")
+        if problem and resumed_step < steps:
+            raise CheckpointUserError(
+                f"checkpoint_dir {self.store.root!r} is not writable ({problem}), and this run saves checkpoints "
+                f"there (steps {resumed_step} to {steps} are left): make it writable, or copy its checkpoints to a "
+                f"writable directory and set checkpoint_dir to that")
+        if problem:
+            self.progress.read_only = True
+            if self.ctx.is_main:
+                log.warning("checkpoint_dir %s is not writable (%s): resumed from it read-only; nothing is left to "
+                            "train, so nothing is written there", self.store.root, problem)
         return self.progress.start(resumed_step, steps, self._carried)
 
     def begin_step(self, step: int) -> None:

@@ -49,6 +49,7 @@ class Progress:
         self._earlier = 0  # the furthest step an earlier attempt began
         self._furthest = 0
         self._written_at = 0.0
+        self.read_only = False  # the checkpoint_dir cannot be written: the record is read, not updated
 
     def start(self, resumed_step: int, steps: int, carried: Optional[Dict] = None) -> int:
         """Begin this attempt at `resumed_step`; `carried`: the record saved in the resumed checkpoint's (verified)
@@ -61,7 +62,6 @@ class Progress:
         self._base = self.steps_redone = max([0] + [r for r in redone if r is not None])
         self._resumed = self._furthest = resumed_step
         if self.ctx.is_main:
-            self.store.fs.makedirs(self.store.root, exist_ok=True)
             self._write(force=True)
         return self.steps_redone
 
@@ -103,7 +103,12 @@ class Progress:
 
     def _write(self, force: bool) -> None:
         now = time.monotonic()
-        if not force and not self.store.local and now - self._written_at < _REMOTE_PROGRESS_INTERVAL_S:
+        if self.read_only or not force and not self.store.local and now - self._written_at < _REMOTE_PROGRESS_INTERVAL_S:
             return
-        self.store.write_json(self.signing.sign(self.saved()), PROGRESS)
+        try:
+            self.store.write_json(self.signing.sign(self.saved()), PROGRESS)
+        except OSError as err:  # a full or read-only disk fails the next checkpoint, saying so; training goes on
+            self.read_only = True
+            log.warning("cannot write %s (%s: %s): the lost work of this attempt is not recorded",
+                        self.store.path(PROGRESS), type(err).__name__, err)
         self._written_at = now

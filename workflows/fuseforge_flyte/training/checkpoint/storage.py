@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from fuseforge_flyte.training.checkpoint.layout import MARKER, SKIPPED, Entry, step_of
 
@@ -58,6 +58,21 @@ class Store:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, target)
+
+    def unwritable(self) -> Optional[OSError]:
+        """Local filesystem: what writing into the root meets (a read-only filesystem, no permission), or None.
+        The probe is a temp name of write_json's, so a kill cannot leave anything that is not cleaned up."""
+        if not self.local:
+            return None
+        probe = f"{self.path('probe.json')}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            with open(probe, "w", encoding="utf-8"):
+                pass
+            os.unlink(probe)
+        except OSError as err:
+            return err
+        return None
 
     def names(self, *parts: str) -> List[str]:
         """The names directly under root/parts."""
