@@ -657,7 +657,8 @@ def test_the_opt_in_loads_an_unsigned_checkpoint_and_warns_before_its_bytes_are_
 
 
 @pytest.mark.parametrize("stealthy", [False, True], ids=["payload", "stealthy-payload"])
-def test_even_with_the_opt_in_a_planted_dcp_pickle_runs_no_code_and_stops_the_run(tmp_path, monkeypatch, stealthy):
+def test_even_with_the_opt_in_a_planted_dcp_pickle_runs_no_code_and_stops_the_run(tmp_path, monkeypatch,
+                                                                                  stealthy):
     """Issue 49: under allow_unsigned_checkpoints the unsigned .metadata passes the manifest check, but it is read
     through an allow-list unpickler: refused naming the file, the run stops (exit 2: a user error) instead of
     falling back to step 2 and finishing with exit 0."""
@@ -1144,8 +1145,9 @@ def test_sigterm_writes_the_metrics_file_with_the_preempted_step_and_one_line(tm
     monkeypatch.setenv(SIGNAL_ENV, "0:3")
     assert _cli(tmp_path / "ckpt", "--metrics_file", str(tmp_path / "metrics.json")) == 2
     assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 3
-    assert _one_line(capsys) == (f"error: preempted (SIGTERM) after step 3: checkpoint {tmp_path / 'ckpt' / 'step_00000003'}"
-                                 f" holds it; a restart resumes there")
+    checkpoint = tmp_path / "ckpt" / "step_00000003"
+    expected = f"error: preempted (SIGTERM) after step 3: checkpoint {checkpoint} holds it; a restart resumes there"
+    assert _one_line(capsys) == expected
 
 
 @pytest.mark.parametrize("manifest", [b"{}", bytes(range(128, 256))], ids=["empty", "garbage"])

@@ -103,7 +103,8 @@ class Progress:
 
     def _write(self, force: bool) -> None:
         now = time.monotonic()
-        if self.read_only or not force and not self.store.local and now - self._written_at < _REMOTE_PROGRESS_INTERVAL_S:
+        throttled = not force and not self.store.local and now - self._written_at < _REMOTE_PROGRESS_INTERVAL_S
+        if self.read_only or throttled:
             return
         try:
             self.store.write_json(self.signing.sign(self.saved()), PROGRESS)
