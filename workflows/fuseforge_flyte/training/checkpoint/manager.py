@@ -18,7 +18,9 @@ Corrupt vs incompatible: a checkpoint that fails verification or loading is skip
 reason (marked SKIPPED, signed and bound to its manifest, once an older one loads; a later resume passes it over
 with a warning naming that reason, and ignores, with a warning, a mark that is not signed for its manifest) and the
 previous one is tried; if checkpoints exist and none loads, training stops instead of starting fresh over them. A
-verified checkpoint of another model, strategy or settings stops the run at once (ResumeMismatch).
+verified checkpoint of another model, strategy or settings stops the run at once (ResumeMismatch), and so does
+one whose files match its manifest but whose DCP metadata would run code (dcp_metadata.py: changed on purpose).
+Pruning removes only what a save wrote (layout.py).
 """
 
 from __future__ import annotations
