@@ -628,12 +628,20 @@ def test_a_directory_of_unsigned_checkpoints_stops_the_run_without_loading_any(t
 
 
 def test_the_opt_in_loads_an_unsigned_checkpoint_and_warns_before_its_bytes_are_read(tmp_path, monkeypatch):
-    spec, flag = _unsigned_payload_in_newest(tmp_path, monkeypatch)
-    seen = []  # (message, had the payload run when it was logged?)
+    _no_configured_key(monkeypatch)
+    spec = _spec(tmp_path / "ckpt", strategy="fsdp", steps=6)
+    _interrupt(monkeypatch, spec, 5)
+    _rehash(tmp_path / "ckpt" / "step_00000004", unsigned=True)
+    seen = []  # (message, had DCP's metadata been read when it was logged?)
+    from fuseforge_flyte.training.checkpoint import dcp_metadata
+
+    real_load = dcp_metadata.load
+    loaded = []
+    monkeypatch.setattr(dcp_metadata, "load", lambda stream: loaded.append(1) or real_load(stream))
 
     class Recorder(logging.Handler):
         def emit(self, record):
-            seen.append((record.getMessage(), flag.exists()))
+            seen.append((record.getMessage(), bool(loaded)))
 
     logger = logging.getLogger("fuseforge.training")
     recorder = Recorder(level=logging.WARNING)
@@ -642,10 +650,48 @@ def test_the_opt_in_loads_an_unsigned_checkpoint_and_warns_before_its_bytes_are_
         resumed = train(dataclasses.replace(spec, allow_unsigned_checkpoints=True))
     finally:
         logger.removeHandler(recorder)
-    assert flag.exists() and resumed.resumed_from_step == 4  # opted in: loaded, and its code ran
-    said = [ran for message, ran in seen if "step_00000004" in message and "not signed" in message
+    assert resumed.resumed_from_step == 4 and loaded  # opted in: loaded, its metadata through the allow-list
+    said = [read for message, read in seen if "step_00000004" in message and "not signed" in message
             and "allow_unsigned_checkpoints is set" in message]
     assert said == [False]  # said once, before any byte of it reached the unpickler
+
+
+@pytest.mark.parametrize("stealthy", [False, True], ids=["payload", "stealthy-payload"])
+def test_even_with_the_opt_in_a_planted_dcp_pickle_runs_no_code_and_stops_the_run(tmp_path, monkeypatch,
+                                                                                  stealthy):
+    """Issue 49: under allow_unsigned_checkpoints the unsigned .metadata passes the manifest check, but it is read
+    through an allow-list unpickler: refused naming the file, the run stops (exit 2: a user error) instead of
+    falling back to step 2 and finishing with exit 0."""
+    from fuseforge_flyte.user_errors import user_error_line
+
+    spec, flag = _unsigned_payload_in_newest(tmp_path, monkeypatch, stealthy)
+    with pytest.raises(CheckpointError) as refused:
+        train(dataclasses.replace(spec, allow_unsigned_checkpoints=True))
+    assert not flag.exists()
+    line = user_error_line(refused.value)
+    assert line and "step_00000004" in line and "file dcp/.metadata was refused: it names " in line
+    assert "delete" in line and "falling back" in line
+    assert not list((tmp_path / "ckpt").glob(f"step_*/{SKIPPED}"))
+    assert _checkpoints(tmp_path / "ckpt") == ["step_00000002", "step_00000004"]  # nothing trained over them
+
+
+def test_dcp_metadata_reads_through_the_allow_list_exactly(fsdp_reference, tmp_path):
+    """What a real FSDP save pickles is admitted (same object as pickle.load gives); a payload is refused."""
+    import pickle
+
+    from fuseforge_flyte.training.checkpoint import dcp_metadata
+
+    spec = _spec(tmp_path, strategy="fsdp", steps=2)
+    train(spec)
+    path = tmp_path / "step_00000002" / "dcp" / ".metadata"
+    with open(path, "rb") as handle:
+        restricted = dcp_metadata.load(handle)
+    assert restricted == pickle.loads(path.read_bytes())
+    flag = tmp_path / "code-ran"
+    path.write_bytes(pickle.dumps(_Payload(str(flag))))
+    assert "file dcp/.metadata was refused: it names posix.mkdir" in dcp_metadata.refusal(
+        str(tmp_path / "step_00000002"), {"dcp/.metadata": {}})
+    assert not flag.exists()
 
 
 def test_a_planted_skip_mark_in_the_newest_signed_checkpoint_is_ignored_and_said(reference, tmp_path, monkeypatch,
@@ -755,7 +801,9 @@ try:
     train(TrainSpec(model="tiny-llama", dataset="bench:bytes", steps=4, batch_size=2, seq_len=32, kernels=False,
                     checkpoint_dir=sys.argv[1], checkpoint_every=2))
 except CheckpointError as err:
+    from fuseforge_flyte.user_errors import user_error_line
     print("CheckpointError:", err)
+    print("LINE:", user_error_line(err))
     sys.exit(3)
 """
 
@@ -768,6 +816,7 @@ def test_disk_full_while_writing_is_reported_as_such(tmp_path):
     assert done.returncode == 3, output
     assert "writing checkpoint step_00000002 failed: the disk holding" in output and "is full" in output, output
     assert " free of " in output and "unexpected pos" in output
+    assert "LINE: writing checkpoint step_00000002 failed: the disk holding" in output  # a user error: one line, exit 2
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["progress.json"]  # the partial files are gone
 
 
@@ -916,3 +965,200 @@ def test_default_checkpoint_location_is_one_node_only(caplog):
     with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
         assert restore_previous(SyncCheckpoint(checkpoint_dest="/unused"), nnodes=2, launch_env=env) is None
     assert env == {} and "set checkpoint_dir to an object store" in caplog.text
+
+
+# ----------------------------------------------------------------- issue 49: lost work from verified facts
+
+
+def test_each_restart_counts_only_the_steps_it_repeated(tmp_path, monkeypatch):
+    """Furthest step 10, checkpoint at 6; two restarts die after step 7 (1 repeated each), the third finishes
+    (7..10 repeated, 11..12 new): 1 + 1 + 4 = 6 steps redone, not 3 x (10 - 6) = 12."""
+    spec = _spec(tmp_path, steps=12, checkpoint_every=6)
+    _interrupt(monkeypatch, spec, 10)
+    _interrupt(monkeypatch, spec, 7)
+    _interrupt(monkeypatch, spec, 7)
+    resumed = train(spec)
+    assert resumed.resumed_from_step == 6 and resumed.steps_redone == 6
+
+
+def test_a_kill_between_a_step_and_anything_after_it_still_counts_that_step(tmp_path, monkeypatch):
+    """Step 5's update is done, then the process dies before anything after it is written: the restart from the
+    checkpoint at step 4 redoes step 5, and says 1."""
+    from fuseforge_flyte.training import engine
+
+    spec = _spec(tmp_path)
+    real = engine._Run._one_step
+
+    def dies_after_step_5(self, micro_batches, step):
+        result = real(self, micro_batches, step)
+        if step == 5:
+            raise InjectedFault("killed right after step 5's update")
+        return result
+
+    with monkeypatch.context() as patch:
+        patch.setattr(engine._Run, "_one_step", dies_after_step_5)
+        with pytest.raises(InjectedFault):
+            train(spec)
+    resumed = train(spec)
+    assert resumed.resumed_from_step == 4 and resumed.steps_redone == 1
+
+
+def test_an_unreadable_progress_record_falls_back_to_the_checkpoints_and_says_so(tmp_path, monkeypatch, caplog):
+    """Attempt 2 redoes step 5 and saves step 6 (carrying 1 redone step); then progress.json is garbage: the figure
+    falls back to the resumed checkpoint's 1 (a lower bound, said), not 0."""
+    spec = _spec(tmp_path)
+    _interrupt(monkeypatch, spec, 5)
+    _interrupt(monkeypatch, spec, 7)
+    (tmp_path / "progress.json").write_bytes(b"\xff\xfe{not json")
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert resumed.resumed_from_step == 6 and resumed.steps_redone == 1
+    assert _warned(caplog, "ignoring unreadable", "progress.json", "lower bound")
+
+
+@pytest.mark.parametrize("edit", ["changed", "unsigned"])
+def test_an_edited_progress_record_is_ignored_and_said(tmp_path, monkeypatch, caplog, edit):
+    """furthest_step edited to 1000 (the signature kept, or dropped): ignored with a warning, the figure counted
+    from the signed checkpoint (0 here: step 7 of the first attempt is not in any verified record), never 994."""
+    spec = _spec(tmp_path)
+    _interrupt(monkeypatch, spec, 7)
+    record = json.loads((tmp_path / "progress.json").read_text())
+    record["furthest_step"] = 1000
+    if edit == "unsigned":
+        record = {k: v for k, v in record.items() if k not in ("hmac", "key_id")}
+    (tmp_path / "progress.json").write_text(json.dumps(record))
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert resumed.resumed_from_step == 6 and resumed.steps_redone == 0
+    assert _warned(caplog, "ignoring", "progress.json", "does not match" if edit == "changed" else "not signed")
+
+
+def test_without_a_key_an_edited_progress_record_is_capped_at_the_run_s_steps(tmp_path, monkeypatch, caplog):
+    """Unsigned checkpoints (no key, the opt-in): the record cannot be authenticated, but counts at most up to the
+    run's steps: resumed at 6 of 8, at most 2 steps can be repeated."""
+    _no_configured_key(monkeypatch)
+    monkeypatch.setenv("FUSEFORGE_CHECKPOINT_REQUIRE_KEY", "1")
+    spec = _spec(tmp_path, allow_unsigned_checkpoints=True)
+    _interrupt(monkeypatch, spec, 7)
+    (tmp_path / "progress.json").write_text(json.dumps({"furthest_step": 1000, "steps_redone": 0}))
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert resumed.resumed_from_step == 6 and resumed.steps_redone == 2
+    assert _warned(caplog, "progress.json records step 1000, beyond this run's steps=8")
+
+
+# ----------------------------------------------------------------- issue 49: pruning removes only what a save wrote
+
+
+def test_pruning_keeps_the_user_s_files_and_cleans_the_platform_s_leftovers(tmp_path, monkeypatch, caplog):
+    """A regular file and a folder of the user's named like checkpoints stay; an earlier attempt's incomplete
+    checkpoint newer than the newest, a torn progress.json temp file and an unfinished save go, each said."""
+    spec = _spec(tmp_path, steps=6, keep_last=1)
+    (tmp_path / "step_00000001").write_text("my notes")
+    (tmp_path / "step_00000003").mkdir()
+    (tmp_path / "step_00000003" / "notes.txt").write_text("mine too")
+    leftover = tmp_path / "step_00000007"  # what an interrupted upload of a longer earlier run leaves
+    (leftover / "rng").mkdir(parents=True)
+    (leftover / "trainer_state.json").write_text("{}")
+    (tmp_path / "progress.json.0123abcd.tmp").write_text('{"furthest_step": 3')
+    (tmp_path / ".tmp-step_00000009-0123456789ab").mkdir()
+    with caplog.at_level(logging.INFO, logger="fuseforge.training"):
+        assert train(spec).steps == 6
+    assert (tmp_path / "step_00000001").read_text() == "my notes"
+    assert (tmp_path / "step_00000003" / "notes.txt").read_text() == "mine too"
+    assert sorted(os.listdir(tmp_path)) == ["progress.json", "step_00000001", "step_00000003", "step_00000006"]
+    assert _warned(caplog, "removed incomplete checkpoint", "step_00000007")
+    assert _warned(caplog, "removing", "progress.json.0123abcd.tmp", "interrupted write")
+    assert _warned(caplog, "leaving", "step_00000003", "notes.txt")
+
+
+# ----------------------------------------------------------------- issue 49: every failure one clear line
+
+
+def _cli(ckpt_dir, *extra, steps=STEPS):
+    """The engine's command line with _spec's settings; its exit status."""
+    from fuseforge_flyte.training import cli
+
+    return cli.main(["--model", "tiny-llama", "--dataset", "bench:bytes", "--steps", str(steps), "--batch_size", "2",
+                     "--seq_len", "32", "--lr", "3e-3", "--warmup_steps", "2", "--no_kernels", "--checkpoint_dir",
+                     str(ckpt_dir), "--checkpoint_every", "2", "--keep_last", "3", "--seed", "3", "--log_level",
+                     "WARNING", *extra])
+
+
+def _one_line(capsys):
+    err = capsys.readouterr().err.splitlines()
+    assert err and err[-1].startswith("error: ") and not any("Traceback" in line for line in err), err[-8:]
+    return err[-1]
+
+
+def test_none_loadable_and_another_key_s_checkpoints_end_with_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    spec = _spec(tmp_path)
+    _interrupt(monkeypatch, spec, 5)  # signed with the per-user key
+    monkeypatch.setenv(KEY_ENV, KEY)
+    assert _cli(tmp_path) == 2
+    line = _one_line(capsys)
+    assert str(tmp_path) in line and "none can be loaded" in line and "signed with another key" in line
+    assert "allow_unsigned_checkpoints=true" in line
+    monkeypatch.delenv(KEY_ENV)
+    for name in ("step_00000002", "step_00000004"):
+        with open(tmp_path / name / "model.pt", "r+b") as handle:
+            handle.truncate(100)
+    assert _cli(tmp_path) == 2
+    line = _one_line(capsys)
+    assert "none can be loaded" in line and "truncated" in line and "fix or move them" in line
+
+
+def _read_only(monkeypatch, directory):
+    """Writing under `directory` fails as on a read-only filesystem (root ignores permission bits)."""
+    import builtins
+    import errno
+
+    real = builtins.open
+
+    def open_(file, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wxa+") and str(file).startswith(str(directory)):
+            raise OSError(errno.EROFS, "Read-only file system", str(file))
+        return real(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", open_)
+
+
+def test_a_read_only_checkpoint_dir_says_so_and_a_finished_copy_resumes(tmp_path, monkeypatch, capsys, caplog):
+    done, part = _spec(tmp_path / "done", steps=4), _spec(tmp_path / "part", steps=4)
+    train(done)
+    _interrupt(monkeypatch, part, 3)
+    with monkeypatch.context() as patch:
+        _read_only(patch, tmp_path)
+        with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+            resumed = train(done)  # nothing left to train: resumes read-only
+        assert resumed.resumed_from_step == 4 and resumed.steps == 4
+        assert _warned(caplog, "not writable", "Read-only file system", "resumed from it read-only")
+        assert _cli(tmp_path / "part", steps=4) == 2  # steps left: it would fail at its first save
+    line = _one_line(capsys)
+    assert f"checkpoint_dir '{tmp_path / 'part'}' is not writable (OSError: Read-only file system)" in line
+    assert "set checkpoint_dir to that" in line and ".tmp" not in line
+
+
+def test_sigterm_writes_the_metrics_file_with_the_preempted_step_and_one_line(tmp_path, monkeypatch, capsys):
+    from fuseforge_flyte.training.preemption import SIGNAL_ENV
+
+    monkeypatch.setenv(SIGNAL_ENV, "0:3")
+    assert _cli(tmp_path / "ckpt", "--metrics_file", str(tmp_path / "metrics.json")) == 2
+    assert json.loads((tmp_path / "metrics.json").read_text())["steps"] == 3
+    checkpoint = tmp_path / "ckpt" / "step_00000003"
+    expected = f"error: preempted (SIGTERM) after step 3: checkpoint {checkpoint} holds it; a restart resumes there"
+    assert _one_line(capsys) == expected
+
+
+@pytest.mark.parametrize("manifest", [b"{}", bytes(range(128, 256))], ids=["empty", "garbage"])
+def test_an_empty_or_garbage_manifest_is_named_as_such(tmp_path, monkeypatch, caplog, manifest):
+    spec = _spec(tmp_path)
+    _interrupt(monkeypatch, spec, 5)
+    (tmp_path / "step_00000004" / MARKER).write_bytes(manifest)
+    with caplog.at_level(logging.WARNING, logger="fuseforge.training"):
+        resumed = train(spec)
+    assert resumed.resumed_from_step == 2
+    expected = ("its manifest COMPLETE.json is {}, not a checkpoint manifest" if manifest == b"{}"
+                else "its manifest COMPLETE.json is not text (128 bytes of binary data)")
+    assert _warned(caplog, "step_00000004", expected)
+    assert not _warned(caplog, "older fuseforge") and not _warned(caplog, "UnicodeDecodeError")

@@ -6,8 +6,9 @@
     python -m fuseforge_flyte.training --recipe recipes/tiny-chat.yaml --steps 5 --output_dir out
     torchrun --nproc-per-node 8 -m fuseforge_flyte.training --model llama-1b --strategy fsdp
 
-A user error (bad option, data, model, resume settings) ends with one line naming the option and its fix; the
-traceback goes to a log file (`--verbose` prints it).
+A user error (bad option, data, model, resume settings, a checkpoint that cannot be used or written) ends with one
+line naming the option and its fix, exit status 2; the traceback goes to a log file (`--verbose` prints it). A
+preemption (SIGTERM) writes the metrics up to the step it stopped after, then its one line, exit status 2.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import typing
 from typing import Iterator, List, Optional
 
+from fuseforge_flyte.training.preemption import Preempted
 from fuseforge_flyte.training.spec import TrainSpec
 from fuseforge_flyte.training.validation import CHOICES
 
@@ -92,19 +94,32 @@ def main(argv: Optional[List[str]] = None) -> int:
         # The command line is an entry point, like the Flyte task: it reads platform.toml's [tracking] and hands it
         # to the engine, which never reads the config itself (pyproject's contracts name this one import).
         from fuseforge_flyte.config import get_config
-        from fuseforge_flyte.training.distributed import _env_int
         from fuseforge_flyte.training.engine import train
 
         with _stdout_to_stderr():
             metrics = train(spec, tracking_settings=get_config().tracking_settings())
+    except Preempted as stop:  # the metrics up to the step it stopped after (`steps`), then its one line
+        if stop.metrics is not None:
+            _emit(stop.metrics, args.metrics_file)
+        if args.verbose:
+            raise
+        print(f"error: {stop}", file=sys.stderr)
+        return 2
     except Exception as err:
         if args.verbose or not user_errors.report(err, "--verbose"):
             raise
         return 2
+    _emit(metrics, args.metrics_file)
+    return 0
+
+
+def _emit(metrics, metrics_file: Optional[str]) -> None:
+    """Rank 0: the metrics JSON on stdout and, if asked, in `metrics_file`."""
+    from fuseforge_flyte.training.distributed import _env_int
+
     if _env_int("RANK", 0) == 0:
         text = json.dumps(dataclasses.asdict(metrics), indent=2)
         print(text)
-        if args.metrics_file:
-            with open(args.metrics_file, "w", encoding="utf-8") as handle:
+        if metrics_file:
+            with open(metrics_file, "w", encoding="utf-8") as handle:
                 handle.write(text + "\n")
-    return 0

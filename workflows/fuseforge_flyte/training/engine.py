@@ -208,10 +208,10 @@ class _Run:
 
     # ------------------------------------------------------------ resume
 
-    def resume(self) -> int:
-        """Restore the newest good checkpoint; returns the steps redone so far in this run."""
+    def resume(self) -> None:
+        """Restore the newest good checkpoint and begin counting this attempt's lost work."""
         if self.ckpt is None:
-            return 0
+            return
         state = self.ckpt.resume()
         if state is not None:
             self.step = self.resumed_from = int(state["step"])
@@ -222,7 +222,7 @@ class _Run:
                             "the data order after it differs from an uninterrupted run",
                             state.get("samples_per_step"), self.samples_per_step)
         self.history.truncate(self.step)
-        return self.ckpt.start_progress(self.step)
+        self.ckpt.start_progress(self.step, self.spec.steps)
 
     def _trainer_state(self, batches: Prefetcher) -> Dict:
         pos = batches.position
@@ -248,6 +248,8 @@ class _Run:
             ctx.synchronize()
             reset_peak_memory(ctx.device)
             start = time.perf_counter()
+            if self.ckpt is not None:
+                self.ckpt.begin_step(self.step + 1)
             micro_batches = [{k: v.to(ctx.device, non_blocking=True) for k, v in b.items()}
                              for b in batches.next_step()]
             data_wait = time.perf_counter() - start
@@ -266,8 +268,6 @@ class _Run:
             self.history.loss_tokens.append(loss_tokens)
             self.history.memory_gib.append(peak_memory_gib(ctx.device))
             self._log(loss, elapsed)
-            if self.ckpt is not None:
-                self.ckpt.record_progress(self.step)
             faults.maybe_fail(ctx.rank, self.step, ctx.restart_count)
             if self.eval_dataset is not None and (self.step == spec.steps or
                                                   (spec.eval_every and self.step % spec.eval_every == 0)):
@@ -390,8 +390,9 @@ class _Run:
 
     # ------------------------------------------------------------ result
 
-    def metrics(self, steps_redone: int) -> TrainMetrics:
+    def metrics(self) -> TrainMetrics:
         spec, ctx, h = self.spec, self.ctx, self.history
+        steps_redone = self.ckpt.steps_redone if self.ckpt is not None else 0
         peak = torch.tensor([max(h.memory_gib, default=0.0)], device=ctx.device, dtype=torch.float64)
         peak = ctx.all_reduce(peak, "max").item()
         dtype = self.strategy.dtype
@@ -445,16 +446,16 @@ def train(spec: TrainSpec, *, after_checkpoint: Optional[Callable[[str], None]] 
         tracker = tracking.start(spec, ctx.is_main, tracking_settings)  # a missing library fails here
         run = _Run(spec, ctx, tracker, after_checkpoint)
         with preemption.sigterm_handler():  # SIGTERM: finish the step, checkpoint, raise Preempted
-            steps_redone = run.resume()
+            run.resume()
             try:
                 run.train()
             except preemption.Preempted as stop:
-                stop.metrics = run.metrics(steps_redone)
+                stop.metrics = run.metrics()
                 if ctx.is_main:
                     log.warning("%s (%d steps trained, final loss %.4f)", stop, stop.metrics.steps,
                                 stop.metrics.final_loss)
                 raise
-        metrics = run.metrics(steps_redone)
+        metrics = run.metrics()
         if spec.output_dir:
             metrics.model_dir, metrics.output_dir = run.save_model(), spec.output_dir
             if ctx.is_main:

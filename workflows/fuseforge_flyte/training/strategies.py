@@ -21,6 +21,7 @@ from typing import Dict, List, Optional
 import torch
 
 from fuseforge_flyte.training import lora, optim, precision
+from fuseforge_flyte.training.checkpoint.dcp_metadata import RestrictedReader
 from fuseforge_flyte.training.distributed import DistContext
 from fuseforge_flyte.training.lm_head import install_lm_head_guard
 from fuseforge_flyte.training.precision import TORCH_DTYPES, MasterWeights, master_dtype_for
@@ -324,7 +325,7 @@ class FSDPStrategy(_TorchOptimized):
 
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=self._state_options())
         state = {"model": model_state, "optim": optim_state}
-        dcp.load(state, checkpoint_id=os.path.join(directory, "dcp"))
+        dcp.load(state, storage_reader=RestrictedReader(os.path.join(directory, "dcp")))  # no code in .metadata
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=self._state_options())
         self.scheduler.load_state_dict(_weights_only_load(os.path.join(directory, "scheduler.pt"), "cpu"))

@@ -44,7 +44,7 @@ def on_every_rank(ctx: DistContext, fn: Callable[[], Any], remote: bool = False)
     except FAILURES as err:  # noqa: BLE001 - reported on every rank, then re-raised as CheckpointError
         error = err
     kind = None if error is None else space_kind(error)
-    summary = None if error is None else (short(error), "bucket" if remote and kind else kind)
+    summary = None if error is None else (short(error), "bucket" if remote and kind == "disk" else kind)
     gathered = gather(ctx, (summary, result if error is None else None))
     failures = [(rank, s[0], s[1]) for rank, (s, _) in enumerate(gathered) if s is not None]
     if failures:

@@ -14,7 +14,13 @@ class CheckpointError(RuntimeError):
     """No usable checkpoint where some exist, an incompatible one, or a checkpoint cannot be written."""
 
 
-class ResumeMismatch(CheckpointError, ValueError):
+class CheckpointUserError(CheckpointError, ValueError):
+    """A checkpoint problem only the user can fix (none loads, a tampered file, a full or read-only folder): the
+    run ends with its one line and the exit status of other user errors (user_errors.py), and is not retried
+    (training/permanent.py)."""
+
+
+class ResumeMismatch(CheckpointUserError):
     """A verified checkpoint of another model, strategy or settings: the same run meets it again on every
     restart, so it is not retried (training/permanent.py)."""
 

@@ -10,8 +10,12 @@ Layout under ``checkpoint_dir``::
         dcp/, scheduler.pt                          fsdp: torch.distributed.checkpoint shards
         deepspeed/state/                            deepspeed: save_checkpoint's per-rank files
         SKIPPED.json          added if this checkpoint failed to load and an older one was used
-    progress.json             furthest step reached, steps redone so far
+    progress.json             furthest step begun, steps redone so far (signed like the manifest; progress.py)
     .tmp-step_...-<token>/    a save in progress on a local filesystem (renamed into place when complete)
+    *.json.<token>.tmp        a JSON file being written (storage.Store.write_json; renamed into place)
+
+Only these names are ever removed (pruning, leftovers): a regular file, or a folder holding anything else, is
+the user's and stays.
 """
 
 from __future__ import annotations
@@ -27,6 +31,11 @@ PROGRESS = "progress.json"
 FORMAT_VERSION = 2  # 1: sizes only, no hashes, no settings (refused: cannot be verified)
 TMP_PREFIX = ".tmp-"
 _NAME = re.compile(r"^step_(\d{8})$")
+_TMP_DIR = re.compile(r"^\.tmp-step_\d{8}-[0-9a-f]{12}$")
+_TMP_FILE = re.compile(r"^[A-Za-z_]+\.json\.[0-9a-f]{8}\.tmp$")
+# what a save puts at the top of a checkpoint directory (every strategy), besides temp files
+WRITTEN = frozenset({MARKER, SKIPPED, STATE, "rng", "model.pt", "optimizer.pt", "scheduler.pt", "scaler.pt", "dcp",
+                     "deepspeed"})
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -38,6 +47,21 @@ def step_of(name: str) -> Optional[int]:
     """The step of a checkpoint directory's name, or None when `name` is not one."""
     match = _NAME.match(name)
     return int(match.group(1)) if match else None
+
+
+def temp_dir(name: str) -> bool:
+    """Whether `name` is a save in progress (a local filesystem's hidden directory)."""
+    return bool(_TMP_DIR.match(name))
+
+
+def temp_file(name: str) -> bool:
+    """Whether `name` is a JSON file being written (Store.write_json's temp name)."""
+    return bool(_TMP_FILE.match(name))
+
+
+def foreign_names(names) -> list:
+    """The top-level names in a step_NNNNNNNN directory that no save writes (then it is not ours to remove)."""
+    return sorted(n for n in names if n not in WRITTEN and not temp_file(n))
 
 
 @dataclass

@@ -18,7 +18,9 @@ Corrupt vs incompatible: a checkpoint that fails verification or loading is skip
 reason (marked SKIPPED, signed and bound to its manifest, once an older one loads; a later resume passes it over
 with a warning naming that reason, and ignores, with a warning, a mark that is not signed for its manifest) and the
 previous one is tried; if checkpoints exist and none loads, training stops instead of starting fresh over them. A
-verified checkpoint of another model, strategy or settings stops the run at once (ResumeMismatch).
+verified checkpoint of another model, strategy or settings stops the run at once (ResumeMismatch), and so does
+one whose files match its manifest but whose DCP metadata would run code (dcp_metadata.py: changed on purpose).
+Pruning removes only what a save wrote (layout.py).
 """
 
 from __future__ import annotations
@@ -38,10 +40,11 @@ import torch
 from fuseforge_flyte.training.checkpoint.collectives import PhaseFailed, first_reason, gather, on_every_rank
 from fuseforge_flyte.training.checkpoint.compatibility import (checkpoint_verdict, jsonable, model_config_for_resume,
                                                                parse_allowed_changes)
-from fuseforge_flyte.training.checkpoint.errors import CheckpointError, ResumeMismatch
+from fuseforge_flyte.training.checkpoint import dcp_metadata
+from fuseforge_flyte.training.checkpoint.errors import CheckpointError, CheckpointUserError, ResumeMismatch
 from fuseforge_flyte.training.checkpoint.integrity import check_file, digest_files
 from fuseforge_flyte.training.checkpoint.layout import (FORMAT_VERSION, MARKER, SKIPPED, STATE, TMP_PREFIX, Entry,
-                                                        checkpoint_name)
+                                                        checkpoint_name, foreign_names, temp_dir, temp_file)
 from fuseforge_flyte.training.checkpoint.progress import Progress
 from fuseforge_flyte.training.checkpoint.reader import CheckpointReader
 from fuseforge_flyte.training.checkpoint.rng import rng_state, set_rng_state
@@ -82,7 +85,8 @@ class CheckpointManager(CheckpointReader):
         self.model_config = model_config_for_resume(model_config or {})
         self.settings = jsonable(settings or {})
         self.allowed = parse_allowed_changes(allow_changes)
-        self.progress = Progress(self.store, ctx)
+        self.progress = Progress(self.store, ctx, self.signing)
+        self._carried: Optional[Dict] = None  # the progress record in the resumed checkpoint's trainer state
         self.last_saved_step: Optional[int] = None
         self._last_total: Optional[int] = None  # bytes of the last checkpoint (rank 0)
         self._last_own: Optional[int] = None  # bytes this rank wrote into it (object stores: local staging)
@@ -139,6 +143,7 @@ class CheckpointManager(CheckpointReader):
         if self.ctx.is_main:
             with open(os.path.join(work, STATE), "w", encoding="utf-8") as handle:
                 json.dump(dict(trainer_state, format=FORMAT_VERSION, step=step, strategy=self.strategy.name,
+                               progress=self.progress.saved(),
                                world_size=self.ctx.world_size, model_fingerprint=self.fingerprint,
                                model_config=self.model_config, settings=self.settings), handle)
 
@@ -207,17 +212,21 @@ class CheckpointManager(CheckpointReader):
         kinds = {kind for _, _, kind in failed.failures}
         rank, first, _ = failed.failures[0]
         where = self.store.root if self.store.local else tempfile.gettempdir()
+        if "readonly" in kinds:
+            return CheckpointUserError(
+                f"writing checkpoint {name} failed: {where} is not writable (rank {rank}: {first}): make it "
+                f"writable, or set checkpoint_dir to a directory this run can write")
         if "disk" in kinds:
             free, total = free_bytes(self.store.root if self.store.local else tempfile.gettempdir())
             need = self._expected_total()
-            return CheckpointError(
+            return CheckpointUserError(
                 f"writing checkpoint {name} failed: the disk holding {where} is full (or a quota or file-size "
                 f"limit was hit): {size_text(free)} free of {size_text(total)}, and a checkpoint takes about "
                 f"{size_text(need)}. "
                 f"keep_last={self.keep_last} needs room for {self.keep_last + 1} checkpoints while the newest is "
                 f"written: free space, lower keep_last, or use a bigger volume. (rank {rank}: {first})")
         if "bucket" in kinds:
-            return CheckpointError(
+            return CheckpointUserError(
                 f"uploading checkpoint {name} to {self.store.fs.unstrip_protocol(self.store.root)} failed: the store "
                 f"is full or over its quota: free space or raise the quota, or lower keep_last. "
                 f"(rank {rank}: {first})")
@@ -251,18 +260,45 @@ class CheckpointManager(CheckpointReader):
                            f"about {size_text(need)} needed (set TMPDIR to a bigger volume)")
             problem = next((p for p in gather(self.ctx, problem) if p), None)
         if problem:
-            raise CheckpointError(problem)
+            raise CheckpointUserError(problem)
 
     def _prune(self) -> None:
         entries = self._entries(log_it=False)
         good = [e for e in entries if e.complete and not e.skipped]
         for entry in good[: max(0, len(good) - self.keep_last)]:
+            if not self._ours(entry.name):
+                continue
             self.store.remove(entry.name)
             log.info("removed old checkpoint %s (keep_last=%d)", entry.name, self.keep_last)
-        newest = good[-1].step if good else -1
-        for entry in entries:  # incomplete leftovers older than a complete one can never finish
-            if not entry.complete and entry.step < newest:
+        for entry in entries:  # incomplete: older ones can never finish, newer ones are an earlier attempt's
+            if not entry.complete and self._ours(entry.name):
                 self.store.remove(entry.name)
+                log.info("removed incomplete checkpoint %s (left by an interrupted save)", self.store.path(entry.name))
+        self._remove_temp()
+
+    def _ours(self, name: str) -> bool:
+        """Whether directory `name` holds only what a save writes; otherwise it is the user's: kept, and said."""
+        foreign = foreign_names(self.store.names(name))
+        if foreign:
+            log.warning("leaving %s alone: it holds %s, which no checkpoint save writes (move it out of the "
+                        "checkpoint_dir)", self.store.path(name), ", ".join(foreign[:3]))
+        return not foreign
+
+    def _remove_temp(self) -> None:
+        """Rank 0, local filesystem: remove what an interrupted write left (its temp names only), saying so."""
+        if not (self.store.local and os.path.isdir(self.store.root)):
+            return
+        for name in sorted(os.listdir(self.store.root)):
+            path = self.store.path(name)
+            try:
+                if temp_dir(name) and os.path.isdir(path):
+                    log.warning("removing unfinished checkpoint write %s", path)
+                    shutil.rmtree(path)
+                elif temp_file(name) and os.path.isfile(path):
+                    log.warning("removing %s, left by an interrupted write", path)
+                    os.unlink(path)
+            except OSError as err:
+                log.warning("could not remove %s: %s", path, err)
 
     # ------------------------------------------------------------ resume
 
@@ -294,6 +330,7 @@ class CheckpointManager(CheckpointReader):
                     log.info("resumed from checkpoint %s", self.store.path(entry.name))
                 self._last_total = sum(e["size"] for e in verdict.marker["files"].values())
                 self.last_saved_step = entry.step
+                self._carried = verdict.state.get("progress")
                 return verdict.state
             if self.ctx.is_main:
                 log.warning("skipping checkpoint %s: %s", self.store.path(entry.name), reason)
@@ -301,7 +338,7 @@ class CheckpointManager(CheckpointReader):
         if complete:
             detail = "; ".join(f"{e.name}: {why}" for e, _, why in failures) or \
                 "all were marked SKIPPED by an earlier attempt"
-            raise CheckpointError(
+            raise CheckpointUserError(
                 f"checkpoint_dir {self.store.path('')!r} holds checkpoints but none can be loaded ({detail}); "
                 f"refusing to start fresh over them: fix or move them, or use another checkpoint_dir"
             )
@@ -323,11 +360,7 @@ class CheckpointManager(CheckpointReader):
 
     def _scan(self) -> List[Entry]:
         entries = self._entries(log_it=True)
-        if self.store.local and os.path.isdir(self.store.root):
-            for name in os.listdir(self.store.root):
-                if name.startswith(TMP_PREFIX):
-                    log.warning("removing unfinished checkpoint write %s", self.store.path(name))
-                    shutil.rmtree(self.store.path(name), ignore_errors=True)
+        self._remove_temp()
         for entry in entries:
             if not entry.complete:
                 log.warning("ignoring incomplete checkpoint %s (no %s marker)", self.store.path(entry.name), MARKER)
@@ -364,11 +397,24 @@ class CheckpointManager(CheckpointReader):
                 staging = directory = tempfile.mkdtemp(prefix=f"fuseforge-{entry.name}-")
                 reason = first_reason(self.ctx, lambda: self._download_checked(entry, files, staging))
             if reason is None:
+                self._refuse_code(entry, directory, files)
                 reason = first_reason(self.ctx, lambda: self._load_checked(directory, changed), loading=True)
         finally:
             if staging:
                 shutil.rmtree(staging, ignore_errors=True)
         return reason
+
+    def _refuse_code(self, entry: Entry, directory: str, files: Dict[str, Dict]) -> None:
+        """Stop, on every rank, when a checked checkpoint holds a DCP pickle that could run code (dcp_metadata.py).
+        Its files match its manifest, so no torn write or bit rot made it: falling back to an older checkpoint
+        would hide a deliberate change, so the run stops and says where."""
+        refused = self.ctx.broadcast_object(dcp_metadata.refusal(directory, files) if self.ctx.is_main else None)
+        if refused:
+            where = self.store.path(entry.name)
+            raise CheckpointUserError(
+                f"checkpoint {where}: {refused}; its files match its manifest, so it was changed on purpose, not "
+                f"damaged. Nothing of it was loaded and the run stops instead of falling back to an older "
+                f"checkpoint: delete {where}, check who can write to the checkpoint_dir, then rerun")
 
     def _check_in_place(self, directory: str, files: Dict[str, Dict]) -> Optional[str]:
         names = sorted(files)
@@ -422,9 +468,30 @@ class CheckpointManager(CheckpointReader):
 
     # ------------------------------------------------------------ progress
 
-    def start_progress(self, resumed_step: int) -> int:
-        """Account for steps lost since the last checkpoint; returns the run's total steps redone."""
-        return self.progress.start(resumed_step)
+    def start_progress(self, resumed_step: int, steps: int) -> int:
+        """Begin this attempt's lost-work count (progress.py); returns the steps redone by earlier attempts.
 
-    def record_progress(self, step: int) -> None:
-        self.progress.record(step)
+        A checkpoint_dir that cannot be written stops a run that has steps left to train (it would fail at its
+        first save) with one line; a run with nothing left resumes from it read-only."""
+        err = self.store.unwritable() if self.ctx.is_main else None
+        problem = self.ctx.broadcast_object(None if err is None else f"{type(err).__name__}: {err.strerror or err}")
+        if problem and resumed_step < steps:
+            raise CheckpointUserError(
+                f"checkpoint_dir {self.store.root!r} is not writable ({problem}), and this run saves checkpoints "
+                f"there (steps {resumed_step} to {steps} are left): make it writable, or copy its checkpoints to a "
+                f"writable directory and set checkpoint_dir to that")
+        if problem:
+            self.progress.read_only = True
+            if self.ctx.is_main:
+                log.warning("checkpoint_dir %s is not writable (%s): resumed from it read-only; nothing is left to "
+                            "train, so nothing is written there", self.store.root, problem)
+        return self.progress.start(resumed_step, steps, self._carried)
+
+    def begin_step(self, step: int) -> None:
+        """Step `step` is about to run (recorded first: a kill during it counts it as lost work)."""
+        self.progress.begin(step)
+
+    @property
+    def steps_redone(self) -> int:
+        """Steps this run has computed again after restarts, so far (progress.py says how they are counted)."""
+        return self.progress.steps_redone

@@ -12,7 +12,7 @@ import json
 import logging
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from fuseforge_flyte.training.checkpoint.errors import CheckpointError
+from fuseforge_flyte.training.checkpoint.errors import CheckpointUserError
 from fuseforge_flyte.training.checkpoint.integrity import check_bytes
 from fuseforge_flyte.training.checkpoint.layout import (FORMAT_VERSION, MARKER, SKIPPED, STATE, Entry,
                                                         manifest_shape_problem)
@@ -32,7 +32,7 @@ class CheckpointReader:
         try:
             self.signing = Signing(root, allow_unsigned=allow_unsigned, log_it=log_it)
         except SigningError as err:
-            raise CheckpointError(str(err)) from None
+            raise CheckpointUserError(str(err)) from None
 
     def verified_states(self) -> Iterator[Tuple[Entry, Dict]]:
         """(checkpoint, trainer state) of each complete, unskipped checkpoint that verifies, newest first."""
@@ -64,10 +64,9 @@ class CheckpointReader:
     def _read_verified(self, entry: Entry, warn: bool) -> Tuple[Any, Optional[Dict], Optional[str]]:
         """(manifest, trainer state, None) once the manifest authenticates and the state matches its hash;
         (manifest or None, None, why not) otherwise. `warn`: log the opt-in warning for an unsigned one."""
-        try:
-            marker = json.loads(self.store.fs.cat_file(self.store.path(entry.name, MARKER)))
-        except (OSError, ValueError) as err:
-            return None, None, f"unreadable manifest {MARKER} ({type(err).__name__}: {err})"
+        marker, reason = self._read_manifest(entry)
+        if reason:
+            return None, None, reason
         reason = self._authenticate(marker, entry, warn)
         if reason:
             return marker, None, reason
@@ -86,12 +85,33 @@ class CheckpointReader:
             return marker, None, f"{STATE} does not belong to step {entry.step} in format {FORMAT_VERSION}"
         return marker, state, None
 
+    def _read_manifest(self, entry: Entry) -> Tuple[Any, Optional[str]]:
+        """(the manifest's JSON, None), or (None, why it cannot be read), said as what it is: unreadable,
+        binary garbage, not JSON."""
+        try:
+            data = self.store.fs.cat_file(self.store.path(entry.name, MARKER))
+        except OSError as err:
+            return None, f"its manifest {MARKER} cannot be read ({type(err).__name__}: {err})"
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, f"its manifest {MARKER} is not text ({len(data)} bytes of binary data): it was overwritten"
+        try:
+            return json.loads(text), None
+        except ValueError as err:
+            return None, f"its manifest {MARKER} is not valid JSON ({err}): it was cut short or overwritten"
+
     def _authenticate(self, marker: Any, entry: Entry, warn: bool = True) -> Optional[str]:
         """Why the manifest cannot be trusted, or None: its signature (signing.Signing), then its shape."""
-        if not isinstance(marker, dict) or marker.get("format") != FORMAT_VERSION:
-            version = marker.get("format", 1) if isinstance(marker, dict) else None
-            return (f"manifest format {version!r}, this code reads {FORMAT_VERSION} (written by an older fuseforge "
-                    f"without content hashes: it cannot be verified)")
+        if not isinstance(marker, dict) or not marker:
+            return (f"its manifest {MARKER} is {json.dumps(marker)[:40]}, not a checkpoint manifest: no save writes "
+                    f"that (it was emptied or overwritten)")
+        if "format" not in marker and isinstance(marker.get("files"), dict):
+            return (f"manifest format 1, this code reads {FORMAT_VERSION} (written by an older fuseforge without "
+                    f"content hashes: it cannot be verified)")
+        if marker.get("format") != FORMAT_VERSION:
+            return (f"its manifest {MARKER} has format {marker.get('format')!r}, this code reads {FORMAT_VERSION}: "
+                    f"not a manifest this fuseforge writes")
         reason = self.signing.refusal(marker, self.store.path(entry.name), warn=warn)
         if reason:
             return reason

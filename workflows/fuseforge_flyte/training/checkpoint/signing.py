@@ -188,26 +188,32 @@ class Signing:
         body = dict(body, key_id=self.key.key_id)
         return dict(body, hmac=self.key.mac(body))
 
-    def refusal(self, marker: Dict, checkpoint: str, warn: bool = True) -> Optional[str]:
-        """Why the manifest of `checkpoint` must not be trusted, or None. An unsigned or foreign-key manifest
-        passes only under the opt-in, and then (`warn`) with a warning logged here, before anything is loaded."""
-        mac = marker.get("hmac")
-        if self.key is not None and isinstance(mac, str) and mac and marker.get("key_id") == self.key.key_id:
-            body = {k: v for k, v in marker.items() if k != "hmac"}
+    def problem(self, signed: Dict, what: str) -> Tuple[Optional[str], bool]:
+        """(why `signed` (a manifest, the progress record) is not signed by this run's key, or None; whether it
+        claims this run's key: then a mismatch means it was changed, which no opt-in lets through)."""
+        mac = signed.get("hmac")
+        if self.key is not None and isinstance(mac, str) and mac and signed.get("key_id") == self.key.key_id:
+            body = {k: v for k, v in signed.items() if k != "hmac"}
             try:
                 expected = self.key.mac(body)
             except ValueError as err:
-                return f"the manifest cannot be canonicalised ({err})"
+                return f"{what} cannot be canonicalised ({err})", True
             if hmac.compare_digest(mac.encode("utf-8", "replace"), expected.encode()):
-                return None
-            return "the manifest's signature does not match: it was changed after it was written"
+                return None, True
+            return f"{what}'s signature does not match: it was changed after it was written", True
         if not isinstance(mac, str) or not mac:
-            problem = "not signed"
-        elif self.key is None:
-            problem = f"signed with key id {marker.get('key_id')!r}, and this run has no key"
-        else:
-            problem = (f"signed with another key (key id {marker.get('key_id')!r}; this run's key, from "
-                       f"{self.key.source}, has id {self.key.key_id!r})")
+            return "not signed", False
+        if self.key is None:
+            return f"signed with key id {signed.get('key_id')!r}, and this run has no key", False
+        return (f"signed with another key (key id {signed.get('key_id')!r}; this run's key, from "
+                f"{self.key.source}, has id {self.key.key_id!r})"), False
+
+    def refusal(self, marker: Dict, checkpoint: str, warn: bool = True) -> Optional[str]:
+        """Why the manifest of `checkpoint` must not be trusted, or None. An unsigned or foreign-key manifest
+        passes only under the opt-in, and then (`warn`) with a warning logged here, before anything is loaded."""
+        problem, own = self.problem(marker, "the manifest")
+        if problem is None or own:
+            return problem
         if not self.allow_unsigned:
             return (f"{problem}: it cannot be authenticated, so it is not loaded (set {OPT_IN}=true to load it "
                     f"anyway, checked for integrity only)")

@@ -3,7 +3,7 @@
 Before a save on a local filesystem the free space is compared with the size of the last checkpoint (or, before
 the first, an estimate from the model and optimizer state); with keep_last=K the volume holds K+1 checkpoints
 while the newest is written. A save that still runs out of space (or an upload refused by a full bucket) is
-reported as such, with the free space.
+reported as such, with the free space; one that hits a read-only or forbidden folder, as that.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import shutil
 from typing import Any, List, Optional, Tuple
 
 _FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_READONLY_ERRNOS = {errno.EROFS, errno.EACCES, errno.EPERM}
 _FULL_TEXT = ("unexpected pos", "no space left", "disk quota", "file too large", "failed writing",
               "file write failed", "enospc")
 _BUCKET_FULL_TEXT = ("quotaexceeded", "quota exceeded", "insufficientstorage", "insufficient storage",
@@ -54,8 +55,11 @@ def _causes(err: BaseException) -> List[BaseException]:
 
 
 def space_kind(err: BaseException) -> Optional[str]:
-    """'disk' when err means a full disk/quota/file-size limit, 'bucket' for a full object store, else None."""
+    """'disk' when err means a full disk/quota/file-size limit, 'bucket' for a full object store, 'readonly' for a
+    folder that cannot be written (read-only filesystem, no permission), else None."""
     for cause in _causes(err):
+        if isinstance(cause, OSError) and cause.errno in _READONLY_ERRNOS:
+            return "readonly"
         text = str(cause).lower()
         if isinstance(cause, OSError) and cause.errno in _FULL_ERRNOS or any(t in text for t in _FULL_TEXT):
             return "disk"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from fuseforge_flyte.training.checkpoint.layout import MARKER, SKIPPED, Entry, step_of
 
@@ -34,10 +34,10 @@ class Store:
         if not self.fs.exists(self.root):
             return []
         entries = []
-        for item in self.fs.ls(self.root, detail=False):
-            name = item.rstrip("/").rsplit("/", 1)[-1]
+        for item in self.fs.ls(self.root, detail=True):  # directories only: a file is never a checkpoint
+            name = item["name"].rstrip("/").rsplit("/", 1)[-1]
             step = step_of(name)
-            if step is not None:
+            if step is not None and item.get("type") == "directory":
                 entries.append(Entry(step, name, self.fs.exists(self.path(name, MARKER)),
                                      self.fs.exists(self.path(name, SKIPPED))))
         return sorted(entries, key=lambda e: e.step)
@@ -59,7 +59,29 @@ class Store:
             os.fsync(handle.fileno())
         os.replace(tmp, target)
 
+    def unwritable(self) -> Optional[OSError]:
+        """Local filesystem: what writing into the root meets (a read-only filesystem, no permission), or None.
+        The probe is a temp name of write_json's, so a kill cannot leave anything that is not cleaned up."""
+        if not self.local:
+            return None
+        probe = f"{self.path('probe.json')}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            with open(probe, "w", encoding="utf-8"):
+                pass
+            os.unlink(probe)
+        except OSError as err:
+            return err
+        return None
+
+    def names(self, *parts: str) -> List[str]:
+        """The names directly under root/parts."""
+        return [item.rstrip("/").rsplit("/", 1)[-1] for item in self.fs.ls(self.path(*parts), detail=False)]
+
     def remove(self, name: str) -> None:
+        """Remove checkpoint directory `name` (never a file: pruning removes only what a save wrote)."""
+        if not self.fs.isdir(self.path(name)):
+            raise NotADirectoryError(f"{self.path(name)} is not a checkpoint directory")
         self.fs.rm(self.path(name), recursive=True)
 
 
