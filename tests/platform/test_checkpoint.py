@@ -1139,6 +1139,82 @@ def test_a_read_only_checkpoint_dir_says_so_and_a_finished_copy_resumes(tmp_path
     assert "set checkpoint_dir to that" in line and ".tmp" not in line
 
 
+def _tree(directory):
+    """Every name under `directory` with its bytes' digest (folders too): what must not change."""
+    tree = {}
+    for base, dirs, files in os.walk(directory):
+        for name in dirs:
+            tree[os.path.relpath(os.path.join(base, name), directory)] = "dir"
+        for name in files:
+            path = os.path.join(base, name)
+            tree[os.path.relpath(path, directory)] = hashlib.sha256(open(path, "rb").read()).hexdigest()
+    return tree
+
+
+@pytest.fixture
+def read_only_copy(tmp_path, monkeypatch):
+    """A copy of a run's good checkpoints (steps 2 and 4, progress at 5), read-only, and what it holds."""
+    source = tmp_path / "source"
+    _interrupt(monkeypatch, _spec(source), 5)
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
+    before = _tree(copy)
+    _read_only(monkeypatch, copy)
+    return copy, before
+
+
+def test_resume_from_a_read_only_copy_with_saving_off(reference, tmp_path, read_only_copy, caplog):
+    copy, before = read_only_copy
+    with caplog.at_level(logging.INFO, logger="fuseforge.training"):
+        resumed = train(_spec("off", checkpoint_every=0, resume_from=str(copy)))
+    assert resumed.resumed_from_step == 4
+    assert resumed.loss_curve == reference.loss_curve  # bitwise, as from checkpoint_dir
+    assert _warned(caplog, "resumed from checkpoint", str(copy / "step_00000004"), "read only")
+    assert _tree(copy) == before  # no progress record, skip mark, pruning or temp file there
+
+
+def test_resume_from_a_read_only_copy_saving_elsewhere_then_restart(reference, tmp_path, monkeypatch,
+                                                                    read_only_copy):
+    copy, before = read_only_copy
+    new = tmp_path / "new"
+    spec = _spec(new, resume_from=str(copy))
+    _interrupt(monkeypatch, spec, 7)  # resumed from the copy's step 4, saved step 6 into new
+    assert _checkpoints(new) == ["step_00000006"]
+    resumed = train(spec)  # a restart of the same run: new's step 6 is newer than the copy's 4
+    assert resumed.resumed_from_step == 6 and resumed.steps_redone == 1
+    assert resumed.loss_curve == reference.loss_curve
+    assert _checkpoints(new) == ["step_00000006", "step_00000008"]
+    assert json.loads((new / "progress.json").read_text())["furthest_step"] == 8
+    assert _tree(copy) == before
+    damaged = train(_spec(tmp_path / "other", resume_from=str(copy), keep_last=1))
+    assert damaged.resumed_from_step == 4 and _checkpoints(tmp_path / "other") == ["step_00000008"]
+    assert _tree(copy) == before  # keep_last prunes only checkpoint_dir
+
+
+def test_resume_from_meets_the_same_settings_check(tmp_path, read_only_copy):
+    from fuseforge_flyte.training.checkpoint import ResumeMismatch, check_resume_settings
+
+    copy, before = read_only_copy
+    spec = _spec(tmp_path / "new", lr=1e-3, resume_from=str(copy))
+    with pytest.raises(ResumeMismatch, match=r"lr: 0\.003 -> 0\.001"):
+        check_resume_settings(spec)  # in the launching process
+    with pytest.raises(ResumeMismatch, match=r"lr: 0\.003 -> 0\.001"):
+        train(spec)  # in the workers
+    assert _tree(copy) == before and not (tmp_path / "new").exists()
+
+
+def test_a_resume_from_without_checkpoints_is_one_line_naming_it(tmp_path, capsys):
+    missing, empty = tmp_path / "missing", tmp_path / "empty"
+    assert _cli(tmp_path / "new", "--resume_from", str(missing)) == 2
+    assert _one_line(capsys) == (f"error: resume_from {str(missing)!r} does not exist: set it to a folder or URI "
+                                 f"that holds checkpoints")
+    empty.mkdir()
+    (empty / "step_00000004").mkdir()  # no manifest: not a checkpoint
+    assert _cli("off", "--checkpoint_every", "0", "--resume_from", str(empty)) == 2
+    line = _one_line(capsys)
+    assert f"resume_from {str(empty)!r} holds no checkpoint" in line and "COMPLETE.json" in line
+
+
 def test_sigterm_writes_the_metrics_file_with_the_preempted_step_and_one_line(tmp_path, monkeypatch, capsys):
     from fuseforge_flyte.training.preemption import SIGNAL_ENV
 

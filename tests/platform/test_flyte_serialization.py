@@ -183,7 +183,7 @@ def test_workflow_inputs_mirror_trainspec_with_config_defaults():
     assert list(train.python_interface.outputs) == ["metrics", "model"]
     compare_inputs = compare.python_interface.inputs_with_defaults
     assert set(spec_fields) - set(compare_inputs) == {"kernels", "output_dir", "checkpoint_dir", "checkpoint_every",
-                                                      "keep_last", "resume_allow_changes",
+                                                      "keep_last", "resume_allow_changes", "resume_from",
                                                       "allow_unsigned_checkpoints", "eval_fraction", "eval_dataset",
                                                       "eval_every", "teacher", "distill_weight", "distill_beta",
                                                       "distill_temperature"}

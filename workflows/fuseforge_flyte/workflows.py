@@ -85,7 +85,7 @@ def distill(teacher: str, dataset: DataSource = DEFAULTS.dataset, **settings: An
 
 # compare: both runs from step 0 (no checkpoints to resume from), no eval (it measures training).
 NOT_COMPARED = ("kernels", "output_dir", "checkpoint_dir", "checkpoint_every", "keep_last", "resume_allow_changes",
-                "allow_unsigned_checkpoints",
+                "resume_from", "allow_unsigned_checkpoints",
                 "eval_fraction", "eval_dataset", "eval_every",
                 "teacher", "distill_weight", "distill_beta", "distill_temperature")  # distillation needs kernels
 

@@ -159,15 +159,20 @@ class _Run:
         self.session_start = time.perf_counter()
         self.session_first_step = 0
         self.ckpt = None
-        if spec.checkpoint_location:
+        if spec.checkpoint_location or spec.resume_location:
             settings = run_settings(spec, self.data.manifest if self.data is not None else None,
                                     samples_per_step=self.samples_per_step, dtype=self.strategy.dtype)
             self.ckpt = CheckpointManager(spec.checkpoint_location, ctx, self.strategy, keep_last=spec.keep_last,
                                           fingerprint=fingerprint, model_config=model.config.to_dict(),
                                           settings=settings, allow_changes=spec.resume_allow_changes,
                                           allow_unsigned=spec.allow_unsigned_checkpoints,
-                                          after_save=after_checkpoint)
+                                          after_save=after_checkpoint, resume_from=spec.resume_location)
         self.plan = self._plan()
+
+    @property
+    def saves(self) -> bool:
+        """Whether this run writes checkpoints (checkpoint_dir set; resume_from alone only reads)."""
+        return self.ckpt is not None and self.ckpt.saves
 
     def _plan(self) -> Optional[Plan]:
         """plan='auto': probe layouts and train with the fastest that fits (training/planner.py).
@@ -272,14 +277,14 @@ class _Run:
             if self.eval_dataset is not None and (self.step == spec.steps or
                                                   (spec.eval_every and self.step % spec.eval_every == 0)):
                 self._evaluate()
-            if self.ckpt is not None and (self.step == spec.steps or
+            if self.saves and (self.step == spec.steps or
                                           (spec.checkpoint_every and self.step % spec.checkpoint_every == 0)):
                 self.ckpt.save(self.step, self._trainer_state(batches))
             preemption.maybe_inject(ctx.rank, self.step, ctx.restart_count)
             if self.step < spec.steps and preemption.agreed(ctx):  # SIGTERM on any rank: save this step, stop
-                if self.ckpt is not None and self.ckpt.last_saved_step != self.step:
+                if self.saves and self.ckpt.last_saved_step != self.step:
                     self.ckpt.save(self.step, self._trainer_state(batches))
-                raise preemption.Preempted(self.step, self.ckpt.path_of(self.step) if self.ckpt else None)
+                raise preemption.Preempted(self.step, self.ckpt.path_of(self.step) if self.saves else None)
 
     def _one_step(self, micro_batches: List[Sample], step: int) -> Tuple[float, int]:
         """Forward/backward every micro-batch and apply the update; the step's global mean loss and loss tokens."""

@@ -91,6 +91,10 @@ class TrainSpec:
                                    "one node only), locally none; off: none")
     checkpoint_every: int = _setting(0, "steps between checkpoints; 0: only at the end and on preemption")
     keep_last: int = _setting(2, "checkpoints kept (older ones are deleted)")
+    resume_from: str = _setting("", "a checkpoint folder or URI to resume from when it is not checkpoint_dir, e.g. "
+                                "a read-only copy of good checkpoints: never written to, its checkpoints verified "
+                                "like any; new checkpoints go to checkpoint_dir (off: none), whose newer ones a "
+                                "restart prefers. Empty: checkpoint_dir only")
     resume_allow_changes: str = _setting("", "comma-separated settings a resume may find changed since the "
                                          "checkpoint (e.g. lr,steps to continue on a new schedule); any other "
                                          "difference stops the run")
@@ -112,6 +116,11 @@ class TrainSpec:
         """The directory or URI this worker checkpoints to; None for none ("" reaches a worker only where the
         task found no default location, e.g. a local run)."""
         return None if self.checkpoint_dir in ("", CHECKPOINT_OFF) else self.checkpoint_dir
+
+    @property
+    def resume_location(self) -> Optional[str]:
+        """resume_from, or None when it is empty or names checkpoint_dir itself."""
+        return self.resume_from if self.resume_from and self.resume_from != self.checkpoint_location else None
 
     @property
     def checkpoints_off(self) -> bool:

@@ -15,7 +15,7 @@ import json
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from fuseforge_flyte.training.checkpoint.errors import CheckpointError, ResumeMismatch
-from fuseforge_flyte.training.checkpoint.reader import CheckpointReader
+from fuseforge_flyte.training.checkpoint.reader import CheckpointReader, newest_verified
 
 # Settings that shape the training trajectory; a resume must match them unless resume_allow_changes lists them.
 ALLOWABLE_CHANGES = ("seed", "dataset", "seq_len", "global_batch", "lr", "weight_decay", "warmup_steps", "steps",
@@ -146,15 +146,16 @@ def _fingerprint_mismatch(saved: Dict[str, list], current: Dict[str, list]) -> O
 
 
 def check_resume_settings(spec) -> None:
-    """In the launching process, before any worker starts: ResumeMismatch when spec.checkpoint_location's newest
-    verified checkpoint was written with other settings than `spec` asks for (those the spec alone decides; the
-    message is the one a worker would give). Anything this cannot read or verify is left to the workers' resume,
-    which also compares the model, the strategy and the settings only they know."""
+    """In the launching process, before any worker starts: ResumeMismatch when the newest verified checkpoint of
+    spec.checkpoint_location and spec.resume_location (the one a worker resumes) was written with other settings
+    than `spec` asks for (those the spec alone decides; the message is the one a worker would give). Anything this
+    cannot read or verify is left to the workers' resume, which also compares the model, the strategy and the
+    settings only they know."""
     from fuseforge_flyte.data.shards import is_prepared_dir, read_manifest
     from fuseforge_flyte.data.benchmark import resolve_benchmark
 
-    root = spec.checkpoint_location
-    if not root:
+    roots = [root for root in (spec.checkpoint_location, spec.resume_location) if root]
+    if not roots:
         return
     if resolve_benchmark(spec.dataset) is not None:
         data_manifest = None
@@ -163,13 +164,13 @@ def check_resume_settings(spec) -> None:
     else:  # data the workers prepare themselves: its identity is theirs to compare
         return
     try:
-        reader = CheckpointReader(root, allow_unsigned=spec.allow_unsigned_checkpoints, log_it=False)
-        newest = next(reader.verified_states(), None)
+        newest = newest_verified([CheckpointReader(root, allow_unsigned=spec.allow_unsigned_checkpoints,
+                                                   log_it=False) for root in roots])
     except (CheckpointError, OSError, ValueError):
         return
     if newest is None:
         return
-    entry, state = newest
+    reader, entry, state = newest
     settings = {k: v for k, v in run_settings(spec, data_manifest, samples_per_step=0, dtype="").items()
                 if k not in _DECIDED_BY_WORKERS}
     state = dict(state, settings={k: v for k, v in state.get("settings", {}).items() if k not in _DECIDED_BY_WORKERS})

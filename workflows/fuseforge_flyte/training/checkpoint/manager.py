@@ -21,6 +21,11 @@ previous one is tried; if checkpoints exist and none loads, training stops inste
 verified checkpoint of another model, strategy or settings stops the run at once (ResumeMismatch), and so does
 one whose files match its manifest but whose DCP metadata would run code (dcp_metadata.py: changed on purpose).
 Pruning removes only what a save wrote (layout.py).
+
+Another root to resume from (TrainSpec.resume_from, e.g. a read-only copy of good checkpoints) is read like
+checkpoint_dir and never written: no pruning, no progress record, no skip mark, no temp file. Its checkpoints and
+checkpoint_dir's are tried newest first (checkpoint_dir's on a tie), so a restart continues from what this run has
+saved since. With checkpoint_dir off (root None) nothing is saved at all.
 """
 
 from __future__ import annotations
@@ -46,7 +51,7 @@ from fuseforge_flyte.training.checkpoint.integrity import check_file, digest_fil
 from fuseforge_flyte.training.checkpoint.layout import (FORMAT_VERSION, MARKER, SKIPPED, STATE, TMP_PREFIX, Entry,
                                                         checkpoint_name, foreign_names, temp_dir, temp_file)
 from fuseforge_flyte.training.checkpoint.progress import Progress
-from fuseforge_flyte.training.checkpoint.reader import CheckpointReader
+from fuseforge_flyte.training.checkpoint.reader import CheckpointReader, newest_verified
 from fuseforge_flyte.training.checkpoint.rng import rng_state, set_rng_state
 from fuseforge_flyte.training.checkpoint.schedule import Retarget
 from fuseforge_flyte.training.checkpoint.space import estimate_state_bytes, free_bytes, size_text
@@ -71,12 +76,23 @@ class _Verdict:
 class CheckpointManager(CheckpointReader):
     """Saves and resumes the training state of one strategy (all ranks call every method)."""
 
-    def __init__(self, root: str, ctx: DistContext, strategy, *, keep_last: int, fingerprint: Dict[str, list],
-                 model_config: Optional[Dict] = None, settings: Optional[Dict] = None, allow_changes: str = "",
-                 allow_unsigned: bool = False, after_save: Optional[Callable[[str], None]] = None):
-        """allow_unsigned: TrainSpec.allow_unsigned_checkpoints (see signing.py).
+    def __init__(self, root: Optional[str], ctx: DistContext, strategy, *, keep_last: int,
+                 fingerprint: Dict[str, list], model_config: Optional[Dict] = None, settings: Optional[Dict] = None,
+                 allow_changes: str = "", allow_unsigned: bool = False,
+                 after_save: Optional[Callable[[str], None]] = None, resume_from: Optional[str] = None):
+        """root: checkpoint_dir, where saves go; None: nothing is saved (then resume_from is needed).
+        resume_from: TrainSpec.resume_from, another root resumes read from and never write.
+        allow_unsigned: TrainSpec.allow_unsigned_checkpoints (see signing.py).
         after_save: called on rank 0 with the checkpoint directory once a save is complete (e.g. to upload it)."""
-        super().__init__(root, allow_unsigned=allow_unsigned, log_it=ctx.is_main)
+        if root is None and not resume_from:
+            raise ValueError("CheckpointManager needs a checkpoint_dir or a resume_from")
+        super().__init__(root or resume_from, allow_unsigned=allow_unsigned, log_it=ctx.is_main)
+        self.saves = root is not None  # checkpoint_dir is set: saves, pruning and the progress record go there
+        self.origin: Optional[CheckpointReader] = None  # resume_from's root (self when checkpoint_dir is off)
+        if resume_from and root is not None:
+            self.origin = CheckpointReader(resume_from, allow_unsigned=allow_unsigned, log_it=False)
+        elif resume_from:
+            self.origin = self
         self.after_save = after_save
         self.ctx = ctx
         self.strategy = strategy
@@ -100,6 +116,8 @@ class CheckpointManager(CheckpointReader):
 
     def save(self, step: int, trainer_state: Dict) -> str:
         """Write checkpoint `step` (collective), then drop all but the newest keep_last; its path."""
+        if not self.saves:
+            raise CheckpointError("checkpoint_dir is off: this run saves no checkpoint")
         name = checkpoint_name(step)
         self._check_space(name)
         token = self.ctx.broadcast_object(uuid.uuid4().hex[:12])
@@ -302,45 +320,68 @@ class CheckpointManager(CheckpointReader):
 
     # ------------------------------------------------------------ resume
 
+    def _sources(self) -> List[CheckpointReader]:
+        """The roots resumes read: checkpoint_dir (when it is set), then resume_from."""
+        return [r for r in ((self if self.saves else None), self.origin) if r is not None]
+
+    def _writable(self, reader: CheckpointReader) -> bool:
+        """Whether checkpoints of `reader` may be written to (skip marks, leftovers removed): checkpoint_dir's only."""
+        return reader is self and self.saves
+
+    def _option(self, reader: CheckpointReader) -> str:
+        return "checkpoint_dir" if self._writable(reader) else "resume_from"
+
     def resume(self) -> Optional[Dict]:
         """Verify, then load, the newest loadable complete checkpoint into the strategy; its trainer state, or None.
 
         Raises CheckpointError when complete checkpoints exist but none can be loaded, or when a
-        verified one belongs to another model, strategy or settings.
+        verified one belongs to another model, strategy or settings; CheckpointUserError when resume_from does
+        not exist or holds no complete checkpoint.
         """
-        entries = self.ctx.broadcast_object(self._scan() if self.ctx.is_main else None)
-        complete = [e for e in entries if e.complete]
-        failures: List[Tuple[Entry, Any, str]] = []  # (checkpoint, its manifest if read, why it failed)
-        for entry in reversed(complete):
+        sources = self._sources()
+        scanned = self.ctx.broadcast_object(self._scan_sources(sources) if self.ctx.is_main else None)
+        if isinstance(scanned, str):
+            raise CheckpointUserError(scanned)
+        # newest first; on a tie checkpoint_dir's (what this run saved) before resume_from's
+        candidates = sorted(((index, e) for index, entries in enumerate(scanned) for e in entries if e.complete),
+                            key=lambda item: (item[1].step, -item[0]))
+        failures: List[Tuple[CheckpointReader, Entry, Any, str]] = []  # (root, checkpoint, manifest if read, why)
+        for index, entry in reversed(candidates):
+            reader = sources[index]
+            where = reader.store.path(entry.name)
             if entry.skipped:
                 if self.ctx.is_main:
                     log.warning("skipping checkpoint %s: marked %s by an earlier attempt (%s)",
-                                self.store.path(entry.name), SKIPPED, entry.skip_reason)
+                                where, SKIPPED, entry.skip_reason)
                 continue
-            verdict: _Verdict = self.ctx.broadcast_object(self._verify(entry) if self.ctx.is_main else None)
+            verdict: _Verdict = self.ctx.broadcast_object(self._verify(reader, entry) if self.ctx.is_main else None)
             if verdict.fatal:
                 raise ResumeMismatch(verdict.fatal)
-            reason = verdict.reason or self._load(entry, verdict.marker, verdict.changed)
+            reason = verdict.reason or self._load(reader, entry, verdict.marker, verdict.changed)
             if reason is None:
                 if self.ctx.is_main:
-                    for failed, marker, why in failures:
-                        self._mark_skipped(failed, marker, why)
+                    for failed_reader, failed, marker, why in failures:
+                        self._mark_skipped(failed_reader, failed, marker, why)
                     for note in verdict.notes:
                         log.warning("%s", note)
-                    log.info("resumed from checkpoint %s", self.store.path(entry.name))
+                    log.info("resumed from checkpoint %s%s", where,
+                             "" if self._writable(reader) else " (resume_from: read only, nothing is written there)")
                 self._last_total = sum(e["size"] for e in verdict.marker["files"].values())
-                self.last_saved_step = entry.step
+                self.last_saved_step = entry.step if self._writable(reader) else None
                 self._carried = verdict.state.get("progress")
                 return verdict.state
             if self.ctx.is_main:
-                log.warning("skipping checkpoint %s: %s", self.store.path(entry.name), reason)
-            failures.append((entry, verdict.marker, reason))
-        if complete:
-            detail = "; ".join(f"{e.name}: {why}" for e, _, why in failures) or \
-                "all were marked SKIPPED by an earlier attempt"
+                log.warning("skipping checkpoint %s: %s", where, reason)
+            failures.append((reader, entry, verdict.marker, reason))
+        if candidates:
+            held = sorted({index for index, _ in candidates})
+            roots = " and ".join(f"{self._option(sources[i])} {sources[i].store.path('')!r}" for i in held)
+            detail = "; ".join(f"{e.name if len(held) == 1 else r.store.path(e.name)}: {why}"
+                               for r, e, _, why in failures) or "all were marked SKIPPED by an earlier attempt"
             raise CheckpointUserError(
-                f"checkpoint_dir {self.store.path('')!r} holds checkpoints but none can be loaded ({detail}); "
-                f"refusing to start fresh over them: fix or move them, or use another checkpoint_dir"
+                f"{roots} hold{'s' if len(held) == 1 else ''} checkpoints but none can be loaded ({detail}); "
+                f"refusing to start fresh over them: fix or move them, or use another "
+                f"{' or '.join(self._option(sources[i]) for i in held)}"
             )
         return None
 
@@ -348,30 +389,45 @@ class CheckpointManager(CheckpointReader):
         """The global batch (sequences per step) of the newest complete checkpoint, or None; read before
         resuming so that a planned run keeps it on another world size. Only a hint: resume() verifies."""
 
-        def read() -> Optional[int]:  # only from a trainer state whose manifest verifies
-            for _, state in self.verified_states():
-                try:
-                    return int(state["settings"]["global_batch"])
-                except (ValueError, KeyError, TypeError):
-                    pass
-            return None
+        def read() -> Optional[int]:  # only from a trainer state whose manifest verifies, the newest of any root
+            newest = newest_verified(self._sources())
+            try:
+                return int(newest[2]["settings"]["global_batch"]) if newest else None
+            except (ValueError, KeyError, TypeError):
+                return None
 
         return self.ctx.broadcast_object(read() if self.ctx.is_main else None)
 
-    def _scan(self) -> List[Entry]:
-        entries = self._entries(log_it=True)
-        self._remove_temp()
+    def _scan_sources(self, sources: List[CheckpointReader]):
+        """Rank 0: each root's checkpoints, or (a str) why resume_from cannot be resumed from."""
+        scanned = []
+        for reader in sources:
+            if not self._writable(reader):
+                where = reader.store.given
+                if not reader.store.fs.exists(reader.store.root):
+                    return f"resume_from {where!r} does not exist: set it to a folder or URI that holds checkpoints"
+            entries = self._scan(reader)
+            if not self._writable(reader) and not any(e.complete for e in entries):
+                return (f"resume_from {where!r} holds no checkpoint (no step_* folder with its {MARKER} manifest): "
+                        f"set it to a folder that holds this run's checkpoints, or leave it empty")
+            scanned.append(entries)
+        return scanned
+
+    def _scan(self, reader: CheckpointReader) -> List[Entry]:
+        entries = reader._entries(log_it=True)
+        if self._writable(reader):
+            self._remove_temp()
         for entry in entries:
             if not entry.complete:
-                log.warning("ignoring incomplete checkpoint %s (no %s marker)", self.store.path(entry.name), MARKER)
+                log.warning("ignoring incomplete checkpoint %s (no %s marker)", reader.store.path(entry.name), MARKER)
         return entries
 
-    def _verify(self, entry: Entry) -> _Verdict:
+    def _verify(self, reader: CheckpointReader, entry: Entry) -> _Verdict:
         """Rank 0: authenticate the manifest, check the trainer state's hash, then its fit to this run."""
-        marker, state, reason = self._read_verified(entry, warn=True)
+        marker, state, reason = reader._read_verified(entry, warn=True)
         if reason:
             return _Verdict(reason=reason, marker=marker)
-        fatal, changed = self._compatibility(state, self.store.path(entry.name))
+        fatal, changed = self._compatibility(state, reader.store.path(entry.name))
         if fatal:
             return _Verdict(fatal=fatal)
         notes = []
@@ -385,32 +441,31 @@ class CheckpointManager(CheckpointReader):
         return checkpoint_verdict(state, where, strategy=self.strategy.name, fingerprint=self.fingerprint,
                                   model_config=self.model_config, settings=self.settings, allowed=self.allowed)
 
-    def _load(self, entry: Entry, marker: Dict, changed: Tuple[str, ...]) -> Optional[str]:
+    def _load(self, reader: CheckpointReader, entry: Entry, marker: Dict, changed: Tuple[str, ...]) -> Optional[str]:
         """Check every file against the manifest, then load on every rank; the first reason it failed, or None."""
         files = marker["files"]
         staging = None
         try:
-            if self.store.local:
-                directory = self.store.path(entry.name)
+            if reader.store.local:
+                directory = reader.store.path(entry.name)
                 reason = first_reason(self.ctx, lambda: self._check_in_place(directory, files))
             else:
                 staging = directory = tempfile.mkdtemp(prefix=f"fuseforge-{entry.name}-")
-                reason = first_reason(self.ctx, lambda: self._download_checked(entry, files, staging))
+                reason = first_reason(self.ctx, lambda: self._download_checked(reader, entry, files, staging))
             if reason is None:
-                self._refuse_code(entry, directory, files)
+                self._refuse_code(reader.store.path(entry.name), directory, files)
                 reason = first_reason(self.ctx, lambda: self._load_checked(directory, changed), loading=True)
         finally:
             if staging:
                 shutil.rmtree(staging, ignore_errors=True)
         return reason
 
-    def _refuse_code(self, entry: Entry, directory: str, files: Dict[str, Dict]) -> None:
+    def _refuse_code(self, where: str, directory: str, files: Dict[str, Dict]) -> None:
         """Stop, on every rank, when a checked checkpoint holds a DCP pickle that could run code (dcp_metadata.py).
         Its files match its manifest, so no torn write or bit rot made it: falling back to an older checkpoint
         would hide a deliberate change, so the run stops and says where."""
         refused = self.ctx.broadcast_object(dcp_metadata.refusal(directory, files) if self.ctx.is_main else None)
         if refused:
-            where = self.store.path(entry.name)
             raise CheckpointUserError(
                 f"checkpoint {where}: {refused}; its files match its manifest, so it was changed on purpose, not "
                 f"damaged. Nothing of it was loaded and the run stops instead of falling back to an older "
@@ -429,13 +484,14 @@ class CheckpointManager(CheckpointReader):
                 return f"file {extra[0]} is not in the manifest"
         return None
 
-    def _download_checked(self, entry: Entry, files: Dict[str, Dict], staging: str) -> Optional[str]:
+    def _download_checked(self, reader: CheckpointReader, entry: Entry, files: Dict[str, Dict],
+                          staging: str) -> Optional[str]:
         names = sorted(files)
         local = [os.path.join(staging, *rel.split("/")) for rel in names]
         for path in local:
             os.makedirs(os.path.dirname(path), exist_ok=True)
         try:
-            self.store.fs.get([self.store.path(entry.name, rel) for rel in names], local)
+            reader.store.fs.get([reader.store.path(entry.name, rel) for rel in names], local)
         except FileNotFoundError as err:
             return f"a file of the manifest is missing from the store ({err})"
         for rel, path in zip(names, local):
@@ -455,9 +511,12 @@ class CheckpointManager(CheckpointReader):
             log.warning("rank %d: no RNG state in %s (world size changed?); keeping the seeded RNG",
                         self.ctx.rank, directory)
 
-    def _mark_skipped(self, entry: Entry, marker: Any, reason: str) -> None:
+    def _mark_skipped(self, reader: CheckpointReader, entry: Entry, marker: Any, reason: str) -> None:
         """Record, signed and bound to its manifest, that `entry` failed and an older checkpoint was used, so that
-        later resumes pass it over without checking it again (none without a key or a readable manifest)."""
+        later resumes pass it over without checking it again (none without a key or a readable manifest, and none
+        in resume_from, which is never written)."""
+        if not self._writable(reader):
+            return
         mark = self.signing.skip_mark(entry.name, marker, reason)
         if mark is None:
             return
@@ -472,7 +531,11 @@ class CheckpointManager(CheckpointReader):
         """Begin this attempt's lost-work count (progress.py); returns the steps redone by earlier attempts.
 
         A checkpoint_dir that cannot be written stops a run that has steps left to train (it would fail at its
-        first save) with one line; a run with nothing left resumes from it read-only."""
+        first save) with one line; a run with nothing left resumes from it read-only. With checkpoint_dir off
+        (only resume_from) nothing is written: the figure is counted, not recorded."""
+        if not self.saves:
+            self.progress.read_only = True
+            return self.progress.start(resumed_step, steps, self._carried)
         err = self.store.unwritable() if self.ctx.is_main else None
         problem = self.ctx.broadcast_object(None if err is None else f"{type(err).__name__}: {err.strerror or err}")
         if problem and resumed_step < steps:

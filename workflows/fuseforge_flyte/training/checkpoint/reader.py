@@ -22,6 +22,20 @@ from fuseforge_flyte.training.checkpoint.storage import Store
 log = logging.getLogger("fuseforge.training")
 
 
+def newest_verified(readers: "List[CheckpointReader]") -> "Optional[Tuple[CheckpointReader, Entry, Dict]]":
+    """(its root, checkpoint, trainer state) of the newest verified checkpoint of any of `readers` (the first
+    reader's on a tie), or None."""
+    found = []
+    for index, reader in enumerate(readers):
+        newest = next(reader.verified_states(), None)
+        if newest is not None:
+            found.append((newest[0].step, -index, reader, newest[0], newest[1]))
+    if not found:
+        return None
+    _, _, reader, entry, state = max(found, key=lambda item: item[:2])
+    return reader, entry, state
+
+
 class CheckpointReader:
     """Reads a checkpoint root and trusts only what verifies: signed manifests, hashed trainer states, signed
     skip marks. The workers' CheckpointManager builds on it; the launching process uses it alone to look at a

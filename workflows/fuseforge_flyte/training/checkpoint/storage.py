@@ -23,6 +23,7 @@ class Store:
         import fsspec
         from fsspec.implementations.local import LocalFileSystem
 
+        self.given = root  # as the user wrote it, for messages
         self.fs, path = fsspec.core.url_to_fs(root)
         self.root = path.rstrip("/") or "/"
         self.local = isinstance(self.fs, LocalFileSystem)
