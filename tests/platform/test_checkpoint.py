@@ -675,6 +675,67 @@ def test_even_with_the_opt_in_a_planted_dcp_pickle_runs_no_code_and_stops_the_ru
     assert _checkpoints(tmp_path / "ckpt") == ["step_00000002", "step_00000004"]  # nothing trained over them
 
 
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_deepspeed_checkpoints_load_with_weights_only(deepspeed_on_cpu, tmp_path, monkeypatch, zero_stage):
+    """Issue 49: DeepSpeed's own engine loads with torch.load(weights_only=False); every load of a resume goes
+    through weights_only=True and the small allow-list its ZeRO-2/3 files need (the loss curve is that of an
+    uninterrupted run)."""
+    spec = _spec(tmp_path / "ckpt", strategy="deepspeed", zero_stage=zero_stage, steps=4)
+    whole = train(_spec(tmp_path / "whole", strategy="deepspeed", zero_stage=zero_stage, steps=4))
+    _interrupt(monkeypatch, spec, 3)
+    real_load, modes = torch.load, []
+
+    def spy(*args, **kwargs):
+        modes.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    resumed = train(spec)
+    assert resumed.resumed_from_step == 2 and resumed.loss_curve == whole.loss_curve
+    assert len(modes) >= 3 and set(modes) == {True}, modes  # model, optimizer, RNG states
+
+
+@pytest.mark.parametrize("payload", ["torch-save", "raw-pickle"])
+def test_even_with_the_opt_in_a_planted_deepspeed_pickle_runs_no_code_and_stops_the_run(
+        deepspeed_on_cpu, tmp_path, monkeypatch, payload):
+    """Issue 49: under allow_unsigned_checkpoints a DeepSpeed file that would run code is refused naming the file,
+    and the run stops (a user error) as for a DCP pickle, instead of falling back to step 2."""
+    from fuseforge_flyte.user_errors import user_error_line
+
+    _no_configured_key(monkeypatch)
+    spec = _spec(tmp_path / "ckpt", strategy="deepspeed", steps=6, allow_unsigned_checkpoints=True)
+    _interrupt(monkeypatch, spec, 5)
+    newest = tmp_path / "ckpt" / "step_00000004"
+    target = next((newest / "deepspeed" / "state").glob("*model_states.pt"))
+    flag = tmp_path / "code-ran"
+    if payload == "torch-save":
+        torch.save({"module": _Payload(str(flag))}, target)
+    else:
+        target.write_bytes(__import__("pickle").dumps(_Payload(str(flag))))
+    _rehash(newest, unsigned=True)
+    with pytest.raises(CheckpointError) as refused:
+        train(spec)
+    assert not flag.exists()
+    line = user_error_line(refused.value)
+    rel = target.relative_to(newest).as_posix()
+    expected = ("was refused: it names posix.mkdir, which a DeepSpeed checkpoint never holds" if payload == "torch-save"
+                else "is not a file DeepSpeed writes")
+    assert line and "step_00000004" in line and f"file {rel} {expected}" in line and "falling back" in line
+    assert _checkpoints(tmp_path / "ckpt") == ["step_00000002", "step_00000004"]
+
+
+def test_a_deepspeed_load_admits_no_other_global(tmp_path):
+    """The load itself, not only the check before it: a torch.save file naming anything off the allow-list is
+    refused naming the file, and its code never runs."""
+    from fuseforge_flyte.training.checkpoint.dcp_metadata import RefusedPickle, deepspeed_load
+
+    flag, path = tmp_path / "code-ran", tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": _Payload(str(flag))}, path)
+    with pytest.raises(RefusedPickle, match=f"DeepSpeed file {path} was refused .*posix.mkdir"):
+        deepspeed_load(str(path))
+    assert not flag.exists()
+
+
 def test_dcp_metadata_reads_through_the_allow_list_exactly(fsdp_reference, tmp_path):
     """What a real FSDP save pickles is admitted (same object as pickle.load gives); a payload is refused."""
     import pickle

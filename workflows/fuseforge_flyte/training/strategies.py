@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 import torch
 
 from fuseforge_flyte.training import lora, optim, precision
-from fuseforge_flyte.training.checkpoint.dcp_metadata import RestrictedReader
+from fuseforge_flyte.training.checkpoint.dcp_metadata import RestrictedReader, deepspeed_load
 from fuseforge_flyte.training.distributed import DistContext
 from fuseforge_flyte.training.lm_head import install_lm_head_guard
 from fuseforge_flyte.training.precision import TORCH_DTYPES, MasterWeights, master_dtype_for
@@ -456,10 +456,17 @@ class DeepSpeedStrategy(Strategy):
         self.engine.save_checkpoint(os.path.join(directory, "deepspeed"), tag="state", save_latest=False)
 
     def load(self, directory: str) -> None:
-        path, _ = self.engine.load_checkpoint(
-            os.path.join(directory, "deepspeed"), tag="state",
-            load_optimizer_states=True, load_lr_scheduler_states=True,
-        )
+        """DeepSpeed's files are read through torch.load(weights_only=True) and a small allow-list
+        (dcp_metadata.deepspeed_load), not its engine's weights_only=False: loading them runs no code."""
+        checkpoint_engine = self.engine.checkpoint_engine
+        checkpoint_engine.load = deepspeed_load  # this instance only, for this load
+        try:
+            path, _ = self.engine.load_checkpoint(
+                os.path.join(directory, "deepspeed"), tag="state",
+                load_optimizer_states=True, load_lr_scheduler_states=True,
+            )
+        finally:
+            del checkpoint_engine.load
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint under {directory}/deepspeed")
 

@@ -8,7 +8,7 @@ One module per concern:
     storage.py        the fsspec root, atomic JSON writes, fsync before the commit
     space.py          free space before a save, and telling a full disk from other failures
     rng.py            the RNG states saved per rank
-    dcp_metadata.py   DCP's .metadata read by an unpickler that admits only what DCP metadata is made of
+    dcp_metadata.py   DCP's .metadata and DeepSpeed's files read through allow-lists: no code runs
     compatibility.py  whether a verified checkpoint fits this run (model, strategy, run settings)
     schedule.py       the restored optimizer and LR schedule retargeted to allowed changes
     collectives.py    agreement between ranks on each step of a save or a check

@@ -19,7 +19,8 @@ reason (marked SKIPPED, signed and bound to its manifest, once an older one load
 with a warning naming that reason, and ignores, with a warning, a mark that is not signed for its manifest) and the
 previous one is tried; if checkpoints exist and none loads, training stops instead of starting fresh over them. A
 verified checkpoint of another model, strategy or settings stops the run at once (ResumeMismatch), and so does
-one whose files match its manifest but whose DCP metadata would run code (dcp_metadata.py: changed on purpose).
+one whose files match its manifest but whose DCP metadata or DeepSpeed files would run code (dcp_metadata.py:
+changed on purpose).
 Pruning removes only what a save wrote (layout.py).
 
 Another root to resume from (TrainSpec.resume_from, e.g. a read-only copy of good checkpoints) is read like
@@ -461,9 +462,9 @@ class CheckpointManager(CheckpointReader):
         return reason
 
     def _refuse_code(self, where: str, directory: str, files: Dict[str, Dict]) -> None:
-        """Stop, on every rank, when a checked checkpoint holds a DCP pickle that could run code (dcp_metadata.py).
-        Its files match its manifest, so no torn write or bit rot made it: falling back to an older checkpoint
-        would hide a deliberate change, so the run stops and says where."""
+        """Stop, on every rank, when a checked checkpoint holds a DCP or DeepSpeed pickle that could run code
+        (dcp_metadata.py). Its files match its manifest, so no torn write or bit rot made it: falling back to an
+        older checkpoint would hide a deliberate change, so the run stops and says where."""
         refused = self.ctx.broadcast_object(dcp_metadata.refusal(directory, files) if self.ctx.is_main else None)
         if refused:
             raise CheckpointUserError(

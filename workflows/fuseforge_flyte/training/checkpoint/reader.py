@@ -1,8 +1,8 @@
 """Reading a checkpoint root, trusting only what verifies: signed manifests, hashed trainer states, signed skip marks.
 
-Before any checkpoint byte reaches a loader (FSDP's DCP unpickles ``.metadata``; DeepSpeed's engine uses
-``torch.load(weights_only=False)``; so whoever can rewrite a checkpoint could otherwise run code in the training
-pods), the manifest's HMAC is checked (signing.py), then its shape; the trainer state is read only once its bytes
+Before any checkpoint byte reaches a loader (FSDP's DCP unpickles ``.metadata``; DeepSpeed's engine would use
+``torch.load(weights_only=False)``; both are read through allow-lists (dcp_metadata.py), and still: whoever can
+rewrite a checkpoint must not choose what is loaded), the manifest's HMAC is checked (signing.py), then its shape; the trainer state is read only once its bytes
 match the manifest's sha256.
 """
 
