@@ -412,6 +412,9 @@ def test_a_restart_with_another_layout_keeps_the_checkpoints_global_batch(probin
                               resume_allow_changes="steps", **again))
     assert resumed.resumed_from_step == 3 and resumed.steps == 5 and resumed.tokens_per_step == 4 * 32
     assert Plan.from_json(resumed.plan).global_batch == 4
+    copied = train(TrainSpec(plan="auto", batch_size=1, grad_accum=2, checkpoint_dir="off", resume_from=str(tmp_path),
+                             resume_allow_changes="steps", **dict(again, steps=6)))  # the hint read from resume_from
+    assert copied.resumed_from_step == 5 and Plan.from_json(copied.plan).global_batch == 4
 
 
 def test_planned_run_with_kernels_tries_loss_chunks_on_the_best_layout(probing_on_cpu):
