@@ -81,6 +81,10 @@ def components() -> dict[str, Component]:
             ),
             Component("flytepropeller", {"flytepropeller": "."}),
             Component("datacatalog", {"datacatalog": "github.com/flyteorg/datacatalog/cmd"}, cgo=True),
+            # Kueue and Kubeflow Trainer v2 with JobSet (issue 48): pin-only modules.
+            Component("kueue", {"kueue": "sigs.k8s.io/kueue/cmd/kueue"}),
+            Component("jobset", {"jobset": "sigs.k8s.io/jobset"}),
+            Component("trainer", {"trainer-controller-manager": "github.com/kubeflow/trainer/v2/cmd/trainer-controller-manager"}),
         )
     }
 

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import yaml
 
-from . import build, health, kubernetes, pki, postgres, processes
+from . import build, health, kubernetes, pki, postgres, processes, queueing
 from .kubectl import admin_kubeconfig, apply, get_json, kubectl, tool
 from .layout import DNS_ADDRESS, HOST, NODE_NAME, PORTS, REPO, log_path, state_dir
 
 # Start order; `down` stops them in reverse.
 COMPONENTS = (
     "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "postgres", "s3", "registry",
-    "node", "training-operator",
+    "node", "training-operator", "jobset", "trainer", "kueue",
 )
 OPERATOR_NAMESPACE = "kubeflow"
 # The webhook certificate folder the training operator's certificate rotator reads (fixed under /tmp; it never
@@ -98,7 +98,7 @@ def _secret(path: Path, value_factory) -> str:
     return path.read_text().strip()
 
 
-def up(*, with_node: bool = True, with_operator: bool = True) -> None:
+def up(*, with_node: bool = True, with_operator: bool = True, with_queueing: bool = True) -> None:
     started = time.monotonic()
     paths = _paths()
     state_dir().mkdir(parents=True, exist_ok=True)
@@ -109,6 +109,7 @@ def up(*, with_node: bool = True, with_operator: bool = True) -> None:
         _check_ports()
     wanted = ["kube", "stores"] + (["node"] if with_node else []) + (["operator"] if with_operator else [])
     wanted += ["flyte", "flyteadmin", "flytepropeller", "datacatalog"]
+    wanted += ["jobset", "trainer", "kueue"] if with_queueing else []
     programs = build.build_all(wanted)
     programs = _link_binaries(programs, paths["bin"])
     built = time.monotonic()
@@ -180,6 +181,9 @@ def up(*, with_node: bool = True, with_operator: bool = True) -> None:
     _cluster_services(paths)
     if with_operator:
         _start_operator(programs["training-operator"], paths)
+    if with_queueing:
+        # JobSet, Kubeflow Trainer v2 and Kueue (localcluster/queueing.py).
+        queueing.start_all(programs, paths, _start)
     log(f"up in {time.monotonic() - started:.0f} s ({built - started:.0f} s finding/building binaries); "
         f"KUBECONFIG={admin_kubeconfig()}")
 

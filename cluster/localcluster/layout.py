@@ -32,6 +32,16 @@ class Ports:
     operator_metrics: int = 18085
     operator_health: int = 18086
     operator_webhook: int = 19443
+    # Kueue, JobSet and Kubeflow Trainer v2 (issue 48): metrics, health probes and webhooks on loopback.
+    kueue_metrics: int = 18087
+    kueue_health: int = 18088
+    kueue_webhook: int = 19444
+    jobset_metrics: int = 18089
+    jobset_health: int = 18090
+    jobset_webhook: int = 19445
+    trainer_metrics: int = 18091
+    trainer_health: int = 18092
+    trainer_webhook: int = 19446
 
 
 PORTS = Ports()

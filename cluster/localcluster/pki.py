@@ -15,6 +15,8 @@ from .layout import HOST, NODE_NAME, PORTS
 DAYS = "30"
 # The operator's cert rotator replaces certificates that expire within 90 days.
 WEBHOOK_DAYS = "3650"
+# Webhook CAs and certificates handed to a cert rotator (long-lived RSA, PKCS#1).
+WEBHOOK_PREFIXES = ("operator-webhook", "controllers-webhook")
 
 
 def _openssl(*args: str, cwd: Path) -> None:
@@ -22,8 +24,8 @@ def _openssl(*args: str, cwd: Path) -> None:
 
 
 def _key(path: Path) -> None:
-    if path.stem.startswith("operator-webhook"):
-        # The training operator's cert rotator reads PKCS#1 RSA keys only.
+    if path.stem.startswith(WEBHOOK_PREFIXES):
+        # The training operator's and Kueue's cert rotator reads PKCS#1 RSA keys only.
         _openssl("genrsa", "-traditional", "-out", path.name, "2048", cwd=path.parent)
     else:
         _openssl("genpkey", "-algorithm", "EC", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-out", path.name, cwd=path.parent)
@@ -35,7 +37,7 @@ def make_ca(folder: Path, name: str = "ca", *, dns_name: str = "") -> None:
     extra = ["-addext", f"subjectAltName=DNS:{dns_name}"] if dns_name else []
     _openssl(
         "req", "-x509", "-new", "-key", f"{name}.key", "-out", f"{name}.crt",
-        "-days", WEBHOOK_DAYS if name.startswith("operator-webhook") else DAYS,
+        "-days", WEBHOOK_DAYS if name.startswith(WEBHOOK_PREFIXES) else DAYS,
         "-subj", f"/CN=fuseforge-local-{name}",
         "-addext", "basicConstraints=critical,CA:TRUE",
         "-addext", "keyUsage=critical,keyCertSign,cRLSign,digitalSignature",
@@ -61,7 +63,7 @@ def make_cert(folder: Path, name: str, subject: str, *, server_names: tuple[str,
     _openssl("req", "-new", "-key", f"{name}.key", "-subj", subject, "-out", f"{name}.csr", cwd=folder)
     _openssl(
         "x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.crt", "-CAkey", f"{ca}.key", "-CAcreateserial",
-        "-days", WEBHOOK_DAYS if name.startswith("operator-webhook") else DAYS,
+        "-days", WEBHOOK_DAYS if name.startswith(WEBHOOK_PREFIXES) else DAYS,
         "-extfile", f"{name}.ext", "-out", f"{name}.crt",
         cwd=folder,
     )
@@ -98,6 +100,17 @@ def make_all(folder: Path) -> None:
     _openssl("pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=folder)
     (folder / "sa.key").chmod(0o600)
     (folder / "done").write_text("")
+
+
+def make_controllers_webhook(folder: Path, service_names: tuple[str, ...], ca_dns_name: str) -> None:
+    """The webhook CA and serving certificate of Kueue, JobSet and Trainer v2 (one for the three: the API
+    server dials each at 127.0.0.1). Kueue's cert rotator keeps them when the CA is valid for its CA name
+    and the certificate for its Service name, so both are in; made once per state dir."""
+    if (folder / "controllers-webhook.crt").exists():
+        return
+    make_ca(folder, "controllers-webhook-ca", dns_name=ca_dns_name)
+    make_cert(folder, "controllers-webhook", "/CN=fuseforge-controllers-webhook",
+              server_names=(HOST, *service_names), ca="controllers-webhook-ca")
 
 
 def api_server_url() -> str:
