@@ -167,6 +167,14 @@ def _config(component: str, config: dict) -> Path:
     return path
 
 
+def _launch(start, component: str, binary: Path, kubeconfig: Path, config: Path, namespace: str, tmp: Path) -> None:
+    """Start a controller as all three run: its kubeconfig and Configuration file, its namespace as the pod's,
+    TMPDIR where its certificates are (see the module docstring)."""
+    env = dict(os.environ, POD_NAMESPACE=namespace, TMPDIR=str(tmp))
+    start(component, [str(binary), f"--kubeconfig={kubeconfig}", f"--config={config}", "--zap-log-level=info"],
+          env=env)
+
+
 def _ready(component: str, port: int) -> None:
     health.wait(component, lambda: health.http_ok(f"http://{HOST}:{port}/readyz"), timeout=120, what="/readyz")
 
@@ -198,8 +206,7 @@ def start_jobset(binary: Path, paths: dict[str, Path], start) -> None:
         "leaderElection": {"leaderElect": False},
         "internalCertManagement": {"enable": False},
     })
-    env = dict(os.environ, TMPDIR=str(_serving_certs("jobset", paths["pki"])), POD_NAMESPACE=JOBSET_NAMESPACE)
-    start("jobset", [str(binary), f"--kubeconfig={kubeconfig}", f"--config={config}", "--zap-log-level=info"], env=env)
+    _launch(start, "jobset", binary, kubeconfig, config, JOBSET_NAMESPACE, _serving_certs("jobset", paths["pki"]))
     _ready("jobset", PORTS.jobset_health)
 
 
@@ -223,8 +230,7 @@ def start_trainer(binary: Path, paths: dict[str, Path], start) -> None:
         "leaderElection": {"leaderElect": False},
         "certManagement": {"enable": False},
     })
-    env = dict(os.environ, TMPDIR=str(_serving_certs("trainer", paths["pki"])), POD_NAMESPACE=TRAINER_NAMESPACE)
-    start("trainer", [str(binary), f"--kubeconfig={kubeconfig}", f"--config={config}", "--zap-log-level=info"], env=env)
+    _launch(start, "trainer", binary, kubeconfig, config, TRAINER_NAMESPACE, _serving_certs("trainer", paths["pki"]))
     _ready("trainer", PORTS.trainer_health)
 
 
@@ -303,8 +309,7 @@ def start_kueue(binary: Path, paths: dict[str, Path], start) -> None:
         if key != "ca.key":
             shutil.copy(pki_dir / name, cert_dir / key)
     config = _config("kueue", kueue_configuration(cert_dir))
-    env = dict(os.environ, POD_NAMESPACE=KUEUE_NAMESPACE, TMPDIR=str(cert_dir.parent))
-    start("kueue", [str(binary), f"--kubeconfig={kubeconfig}", f"--config={config}", "--zap-log-level=info"], env=env)
+    _launch(start, "kueue", binary, kubeconfig, config, KUEUE_NAMESPACE, cert_dir.parent)
     # Its certificate bootstrap runs a manager of its own whose /readyz has no checks: the webhook port opens
     # only with the real one.
     health.wait("kueue", lambda: health.tcp_open(HOST, PORTS.kueue_webhook), timeout=120, what="its webhook port")
